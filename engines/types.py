@@ -1,0 +1,45 @@
+"""Plain data passed between the ingress and the model deployments.
+
+Dataclasses rather than pydantic: they cross a Ray hop on every request and token chunk,
+so they should be cheap to pickle. Validation happens once, at the HTTP edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    deadline_unix: float | None = None  # absolute wall-clock deadline, if the client set one
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    """One streamed piece of output. The last chunk has `finish_reason` set."""
+
+    text: str
+    num_tokens: int  # tokens generated since the previous chunk
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings_ms: dict[str, float] = field(default_factory=dict)  # engine-side stage times, first/last chunk

@@ -1,0 +1,78 @@
+"""Per-request context from headers: request id, tenant, SLO tier, deadline, cache control."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ingress.errors import bad_request
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+DEFAULT_TIER = "interactive"
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request_id: str
+    tenant: str
+    tier: str
+    deadline: float | None  # time.monotonic() deadline, or None
+    no_cache: bool = False  # Cache-Control: no-cache -> skip the lookup
+    no_store: bool = False  # Cache-Control: no-store -> skip the write
+    received: float = field(default_factory=time.monotonic)
+
+    def remaining_s(self, ceiling: float) -> float:
+        """Seconds left for this request: its deadline, capped by a ceiling."""
+        if self.deadline is None:
+            return max(0.0, ceiling - (time.monotonic() - self.received))
+        return max(0.0, min(self.deadline - time.monotonic(), ceiling))
+
+    def deadline_unix(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return time.time() + (self.deadline - time.monotonic())
+
+
+def tenant_from_headers(headers: Mapping[str, str]) -> str:
+    """`x-tenant`, else a stable hash of the bearer key (never the key itself), else anonymous."""
+    explicit = headers.get("x-tenant")
+    if explicit:
+        if not _TOKEN.match(explicit):
+            raise bad_request("x-tenant must be 1-64 characters of [A-Za-z0-9_.:-]", "x-tenant")
+        return explicit
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer ") and auth[7:].strip():
+        return "key-" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
+    return "anonymous"
+
+
+def context_from_headers(headers: Mapping[str, str]) -> RequestContext:
+    request_id = headers.get("x-request-id") or uuid.uuid4().hex
+    if not _TOKEN.match(request_id):
+        request_id = uuid.uuid4().hex
+    tier = headers.get("x-slo-tier") or headers.get("x-priority") or DEFAULT_TIER
+    if not _TOKEN.match(tier):
+        raise bad_request("x-slo-tier must be 1-64 characters of [A-Za-z0-9_.:-]", "x-slo-tier")
+    deadline = None
+    raw = headers.get("x-request-deadline-ms")
+    if raw is not None:
+        try:
+            budget_ms = float(raw)
+        except ValueError:
+            raise bad_request("x-request-deadline-ms must be a number of milliseconds", "x-request-deadline-ms")
+        if not (0 < budget_ms <= 24 * 3600 * 1000):
+            raise bad_request("x-request-deadline-ms must be > 0 and at most a day", "x-request-deadline-ms")
+        deadline = time.monotonic() + budget_ms / 1000
+    cache_control = headers.get("cache-control", "").lower()
+    return RequestContext(
+        request_id=request_id,
+        tenant=tenant_from_headers(headers),
+        tier=tier,
+        deadline=deadline,
+        no_cache="no-cache" in cache_control,
+        no_store="no-store" in cache_control,
+    )

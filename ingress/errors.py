@@ -1,0 +1,58 @@
+"""OpenAI-style errors: every failure leaves as {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import Response
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        error = {
+            "message": self.message,
+            "type": _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_error"),
+            "param": self.param,
+            "code": self.code,
+        }
+        error.update(self.extra)
+        return {"error": error}
+
+    def response(self) -> Response:
+        return Response(
+            json.dumps(self.body()), status_code=self.status, media_type="application/json", headers=self.headers
+        )
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
+    return APIError(400, message, param=param, code=code)

@@ -1,0 +1,432 @@
+"""One request, top to bottom. Read this file to follow a request through the service.
+
+    HTTP body ─► validate (400/413) ─► tokenize once (400 if it can't fit)
+              ─► admission gate, in-process, no hop (503 + Retry-After)
+              ─► cache lookup ║ routing, started together (one hop of latency, not two)
+              ─► cache hit: answer now (x-cache: hit)
+              ─► else stream from the chosen model (target or small/draft)
+              ─► cache write, after the answer, off the request path
+
+Every wait has a timeout derived from the request's deadline. The cache and the router
+degrade (miss / default route) instead of failing the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from admission.gate import AdmissionGate, Rejection
+from configs.schemas import AppArgs
+from engines.types import GenerateChunk, GenerateRequest, SamplingParams
+from ingress.context import RequestContext, context_from_headers
+from ingress.errors import APIError, bad_request
+from ingress.prompts import PromptBuilder
+from ingress.protocol import ChatCompletionRequest, CompletionRequest
+from ingress.responses import Kind, SSEWriter, full_response
+from router.base import RouteDecision, RouteFeatures
+from semantic_cache.exact import CachedResponse
+from semantic_cache.keys import exact_key
+
+log = logging.getLogger(__name__)
+
+
+class ModelStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[GenerateChunk]: ...
+    async def __anext__(self) -> GenerateChunk: ...
+    def cancel(self) -> None: ...
+
+
+class Backends(Protocol):
+    """The other stages, as the ingress sees them (Ray handles in production)."""
+
+    async def cache_lookup(self, key: str) -> CachedResponse | None: ...
+    def cache_store(self, key: str, tenant: str, value: CachedResponse) -> None: ...
+    async def route(self, features: RouteFeatures) -> RouteDecision: ...
+    def generate(self, model_id: str, request: GenerateRequest) -> ModelStream: ...
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to admit."""
+
+    kind: Kind
+    ctx: RequestContext
+    requested_model: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    features: RouteFeatures
+    cache_key: str | None
+    tokenize: Callable[[PromptBuilder], list[int]]  # re-tokenize for another model's tokenizer
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Permit:
+    """An admission slot, released exactly once whoever gets there first."""
+
+    def __init__(self, gate: AdmissionGate) -> None:
+        self._gate: AdmissionGate | None = gate
+
+    def release(self) -> None:
+        if self._gate is not None:
+            self._gate.release()
+            self._gate = None
+
+
+class Pipeline:
+    def __init__(self, args: AppArgs, backends: Backends, prompts: dict[str, PromptBuilder]) -> None:
+        self.args = args
+        self.backends = backends
+        self.prompts = prompts  # model id -> prompt builder ("auto" uses the target's)
+        self.max_model_len = {
+            args.target.engine.model_id: args.target.engine.max_model_len,
+            args.draft.engine.model_id: args.draft.engine.max_model_len,
+            args.router.auto_model_id: args.target.engine.max_model_len,
+        }
+        adm = args.admission
+        self.gate = AdmissionGate(adm.max_inflight, adm.max_queued, adm.retry_after_s)
+
+    # ------------------------------------------------------------------ entry points
+
+    async def handle(self, request: Request, kind: Kind) -> Response:
+        try:
+            ctx = context_from_headers(request.headers)
+            body = await self._read_json(request)
+            prepared = self._prepare(kind, body, ctx)
+            return await self._serve(prepared)
+        except APIError as err:
+            return err.response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+    def models(self) -> dict[str, Any]:
+        now = int(time.time())
+        ids = self.args.ingress.served_model_ids or list(self.max_model_len)
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": now, "owned_by": "latency-serve"} for m in ids],
+        }
+
+    # ------------------------------------------------------------------ 1. parse and validate
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.args.ingress.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body over the {limit}-byte limit", code="body_too_large")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > limit:
+                raise APIError(413, f"request body over the {limit}-byte limit", code="body_too_large")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding")
+        try:
+            return json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def _prepare(self, kind: Kind, body: Any, ctx: RequestContext) -> Prepared:
+        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = _validate(schema, body)
+        unsupported = req.unsupported()
+        if unsupported:
+            raise bad_request(f"not supported by this server: {', '.join(unsupported)}", unsupported[0], "unsupported")
+        if req.model not in self.max_model_len:
+            raise APIError(
+                404,
+                f"model {req.model!r} does not exist; available: {', '.join(self.max_model_len)}",
+                param="model",
+                code="model_not_found",
+            )
+        if kind == "chat":
+            tokenize = lambda b: b.chat(req.messages)  # noqa: E731
+        else:
+            tokenize = lambda b: b.completion(req.prompt)  # noqa: E731
+        prompt_ids = tokenize(self.prompts[req.model])
+        if kind == "chat":
+            turns = [{"role": m.role, "content": m.text()} for m in req.messages]
+            users = [t["content"] for t in turns if t["role"] == "user"]
+            last_user, user_turns = (users[-1] if users else ""), len(users)
+        else:
+            turns = [{"role": "prompt", "content": json.dumps(req.prompt)}]
+            last_user, user_turns = (req.prompt if isinstance(req.prompt, str) else ""), 1
+        if not prompt_ids:
+            raise bad_request("the prompt is empty", "messages" if kind == "chat" else "prompt")
+        max_tokens = self._output_budget(req, len(prompt_ids))
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            stop=tuple(req.stop),
+            seed=req.seed,
+        )
+        cache_key = None
+        # Only greedy answers are reproducible, so only they are cached by default.
+        if self.args.cache.enabled and sampling.greedy:
+            cache_key = exact_key(
+                tenant=ctx.tenant,
+                model=f"{kind}:{req.model}",
+                messages=turns,
+                sampling={"max_tokens": max_tokens, "stop": list(sampling.stop), "top_p": sampling.top_p},
+            )
+        return Prepared(
+            kind=kind,
+            ctx=ctx,
+            requested_model=req.model,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            features=RouteFeatures(req.model, len(prompt_ids), max_tokens, user_turns, last_user[-2000:]),
+            cache_key=cache_key,
+            tokenize=tokenize,
+        )
+
+    def _output_budget(self, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> int:
+        window = self.max_model_len[req.model]
+        if prompt_tokens >= window:
+            raise bad_request(
+                f"this model's context window is {window} tokens and the prompt has {prompt_tokens}",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                "context_length_exceeded",
+            )
+        asked = req.output_limit
+        if asked is None:
+            return min(self.args.ingress.sampling.default_max_tokens, window - prompt_tokens)
+        if prompt_tokens + asked > window:
+            raise bad_request(
+                f"this model's context window is {window} tokens; you asked for {prompt_tokens + asked} "
+                f"({prompt_tokens} in the prompt, {asked} in the completion)",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return asked
+
+    # ------------------------------------------------------------------ 2. admit, look up, generate
+
+    async def _serve(self, p: Prepared) -> Response:
+        ctx = p.ctx
+        start = time.perf_counter()
+        try:
+            await self.gate.acquire(ctx.remaining_s(self.args.admission.default_queue_timeout_s))
+        except Rejection as rej:
+            raise APIError(
+                503,
+                rej.message,
+                code=rej.reason,
+                headers={"Retry-After": str(rej.retry_after_s)},
+                extra={"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": ctx.tier},
+            ) from None
+        permit = Permit(self.gate)
+        p.timings["admit"] = _ms(start)
+        try:
+            hit, decision = await self._lookup_and_route(p)
+            if hit is not None:
+                permit.release()
+                return self._cached(p, hit)
+            builder = self.prompts[decision.model_id]
+            if builder is not self.prompts[p.requested_model]:
+                p.prompt_ids = p.tokenize(builder)  # the routed model speaks another vocabulary
+            generate = GenerateRequest(ctx.request_id, p.prompt_ids, p.sampling, ctx.deadline_unix())
+            stream = self.backends.generate(decision.model_id, generate)
+            first = await self._next(stream, p)
+            p.timings["ttft"] = _ms(start)
+            for name in ("engine_queue", "prefill"):
+                if name in first.timings_ms:
+                    p.timings[name] = first.timings_ms[name]
+            if first.finish_reason == "abort":
+                raise APIError(503, "the request's deadline passed before the model could start", code="deadline_exceeded")
+            headers = self._headers(p, decision, "miss" if p.cache_key and not ctx.no_cache else "bypass")
+            if not p.stream:
+                text, last = await self._collect(first, stream, p)
+                permit.release()
+                p.timings["total"] = _ms(start)
+                headers["server-timing"] = _server_timing(p.timings)
+                self._store(p, decision, text, last)
+                body = full_response(
+                    p.kind, _response_id(p), decision.model_id, text, last.finish_reason or "stop",
+                    last.prompt_tokens, last.completion_tokens,
+                )
+                return JSONResponse(body, headers=headers)
+            headers["server-timing"] = _server_timing(p.timings)
+            body_iter = self._sse(p, decision, first, stream, permit)
+            head = await body_iter.__anext__()  # started: its `finally` now runs even if nobody reads on
+            return StreamingResponse(_prepend(head, body_iter), media_type="text/event-stream", headers=headers)
+        except BaseException:
+            permit.release()
+            raise
+
+    async def _lookup_and_route(self, p: Prepared) -> tuple[CachedResponse | None, RouteDecision]:
+        """Cache lookup and routing run at once: the request pays one hop, not two."""
+
+        async def lookup() -> CachedResponse | None:
+            if p.cache_key is None or p.ctx.no_cache:
+                return None
+            t = time.perf_counter()
+            try:
+                return await asyncio.wait_for(self.backends.cache_lookup(p.cache_key), self._stage_timeout(p))
+            except Exception as exc:  # a cache failure is a miss, never an error
+                log.warning("cache lookup failed, treating as a miss: %r", exc)
+                return None
+            finally:
+                p.timings["cache"] = _ms(t)
+
+        async def route() -> RouteDecision:
+            t = time.perf_counter()
+            try:
+                return await asyncio.wait_for(self.backends.route(p.features), self._stage_timeout(p))
+            except Exception as exc:  # router down: the target can answer anything
+                log.warning("router failed, using the target model: %r", exc)
+                fallback = p.requested_model
+                if fallback == self.args.router.auto_model_id:
+                    fallback = self.args.target.engine.model_id
+                return RouteDecision(fallback, "router_unavailable")
+            finally:
+                p.timings["route"] = _ms(t)
+
+        return await asyncio.gather(lookup(), route())
+
+    def _stage_timeout(self, p: Prepared) -> float:
+        return max(0.001, p.ctx.remaining_s(self.args.ingress.stage_timeout_s))
+
+    async def _next(self, stream: ModelStream, p: Prepared) -> GenerateChunk:
+        """The next chunk, within the request's remaining time; model failures become 503/504."""
+        remaining = p.ctx.remaining_s(self.args.ingress.request_timeout_s)
+        try:
+            return await asyncio.wait_for(stream.__anext__(), timeout=max(0.001, remaining))
+        except asyncio.TimeoutError:
+            stream.cancel()
+            raise APIError(504, "the request's deadline passed while generating", code="deadline_exceeded") from None
+        except StopAsyncIteration:
+            raise APIError(503, "the model stream ended without finishing", code="backend_error") from None
+        except APIError:
+            raise
+        except Exception as exc:
+            stream.cancel()
+            log.warning("model call failed: %r", exc)
+            raise APIError(503, f"the model replica failed: {type(exc).__name__}", code="backend_error") from None
+
+    async def _collect(self, first: GenerateChunk, stream: ModelStream, p: Prepared) -> tuple[str, GenerateChunk]:
+        parts, chunk = [first.text], first
+        while chunk.finish_reason is None:
+            chunk = await self._next(stream, p)
+            parts.append(chunk.text)
+        return "".join(parts), chunk
+
+    async def _sse(
+        self, p: Prepared, decision: RouteDecision, first: GenerateChunk, stream: ModelStream, permit: Permit
+    ) -> AsyncIterator[bytes]:
+        writer = SSEWriter(p.kind, _response_id(p), decision.model_id)
+        parts: list[str] = []
+        chunk = first
+        finished = False
+        try:
+            yield writer.delta(chunk.text)
+            parts.append(chunk.text)
+            while chunk.finish_reason is None:
+                try:
+                    chunk = await self._next(stream, p)
+                except APIError as err:
+                    yield writer.error(err.message, err.code or "backend_error")
+                    yield writer.done()
+                    return
+                if chunk.text or chunk.finish_reason is None:
+                    if chunk.text:
+                        parts.append(chunk.text)
+                        yield writer.delta(chunk.text)
+            yield writer.delta("", chunk.finish_reason)
+            if p.include_usage:
+                yield writer.usage(chunk.prompt_tokens, chunk.completion_tokens)
+            yield writer.done()
+            finished = True
+        finally:
+            permit.release()
+            if finished:
+                self._store(p, decision, "".join(parts), chunk)
+            else:
+                stream.cancel()  # the client left: stop the model within one step
+
+    # ------------------------------------------------------------------ 3. cache
+
+    def _cached(self, p: Prepared, hit: CachedResponse) -> Response:
+        decision = RouteDecision(hit.model_id, "cache")
+        headers = self._headers(p, decision, "hit")
+        headers["server-timing"] = _server_timing(p.timings)
+        if not p.stream:
+            body = full_response(
+                p.kind, _response_id(p), hit.model_id, hit.text, hit.finish_reason, hit.prompt_tokens, hit.completion_tokens
+            )
+            return JSONResponse(body, headers=headers)
+
+        async def replay() -> AsyncIterator[bytes]:
+            writer = SSEWriter(p.kind, _response_id(p), hit.model_id)
+            yield writer.delta(hit.text)
+            yield writer.delta("", hit.finish_reason)
+            if p.include_usage:
+                yield writer.usage(hit.prompt_tokens, hit.completion_tokens)
+            yield writer.done()
+
+        return StreamingResponse(replay(), media_type="text/event-stream", headers=headers)
+
+    def _store(self, p: Prepared, decision: RouteDecision, text: str, last: GenerateChunk) -> None:
+        if p.cache_key is None or p.ctx.no_store or last.finish_reason not in ("stop", "length"):
+            return
+        value = CachedResponse(text, last.finish_reason, last.prompt_tokens, last.completion_tokens, decision.model_id)
+        try:
+            self.backends.cache_store(p.cache_key, p.ctx.tenant, value)
+        except Exception as exc:
+            log.warning("cache write failed: %r", exc)
+
+    def _headers(self, p: Prepared, decision: RouteDecision, cache: str) -> dict[str, str]:
+        return {
+            "x-request-id": p.ctx.request_id,
+            "x-cache": cache,
+            "x-route": f"{decision.model_id};reason={decision.reason}",
+        }
+
+
+def _validate(schema: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or None
+        raise bad_request(f"{where}: {first['msg']}" if where else first["msg"], where) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _response_id(p: Prepared) -> str:
+    return ("chatcmpl-" if p.kind == "chat" else "cmpl-") + p.ctx.request_id
+
+
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1000
+
+
+def _server_timing(timings: dict[str, float]) -> str:
+    return ", ".join(f"{name};dur={value:.1f}" for name, value in timings.items())
+
+
+async def _prepend(head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield head
+    async for item in rest:
+        yield item

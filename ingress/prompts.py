@@ -1,0 +1,45 @@
+"""Prompt -> token ids in the ingress, once per request.
+
+Tokenizing here (not in the model replica) lets the ingress reject over-long prompts with a
+400 before any hop, gives admission and routing real token counts, and ships ids, not
+text, to the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ingress.errors import bad_request
+from ingress.protocol import ChatMessage
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; chat completions need one")
+
+    def chat(self, messages: list[ChatMessage]) -> list[int]:
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template may reject e.g. a role order it does not support
+            raise bad_request(f"messages do not fit the model's chat template: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def completion(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            ids = list(prompt)  # type: ignore[arg-type]
+        elif len(prompt) == 1:
+            only = prompt[0]
+            ids = self.completion(only) if isinstance(only, str) else list(only)  # type: ignore[arg-type]
+        else:
+            raise bad_request("one prompt per request is supported (batch prompts: send separate requests)", "prompt")
+        vocab = len(self.tokenizer)
+        if any(not (0 <= t < vocab) for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return ids

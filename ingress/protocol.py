@@ -1,0 +1,128 @@
+"""The OpenAI request schemas we accept, validated once at the HTTP edge.
+
+Unknown fields are ignored (as OpenAI-compatible servers do); known fields we cannot honor
+are rejected with a 400 that names them, instead of being silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    model: str = Field(..., min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1)
+    user: str | None = None
+    # Known but unsupported: accepted only at their neutral values.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    def unsupported(self) -> list[str]:
+        bad = []
+        if self.n not in (None, 1):
+            bad.append("n")
+        if self.frequency_penalty not in (None, 0.0):
+            bad.append("frequency_penalty")
+        if self.presence_penalty not in (None, 0.0):
+            bad.append("presence_penalty")
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs:
+            bad.append("logprobs")
+        if self.tools:
+            bad.append("tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            bad.append("response_format")
+        return bad
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.logprobs is not None:
+            bad.append("logprobs")
+        if self.suffix:
+            bad.append("suffix")
+        if self.best_of not in (None, 1):
+            bad.append("best_of")
+        return bad
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
