@@ -392,8 +392,8 @@ class Pipeline:
             log.warning("cache write failed: %r", exc)
 
     def _headers(self, p: Prepared, decision: RouteDecision, cache: str) -> dict[str, str]:
+        # x-request-id is echoed by Ray Serve's proxy itself; we reuse its value for our ids.
         return {
-            "x-request-id": p.ctx.request_id,
             "x-cache": cache,
             "x-route": f"{decision.model_id};reason={decision.reason}",
         }

@@ -47,7 +47,7 @@ class _Sampling(_Request):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

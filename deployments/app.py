@@ -1,0 +1,45 @@
+"""The app builder: binds the six deployments into one graph.
+
+    Ingress ──► AdmissionController   (sync only, off the request path)
+       ├──────► SemanticCache  ┐ in parallel
+       ├──────► Router         ┘
+       ├──────► TargetModel    (streams tokens)
+       └──────► DraftModel     (streams tokens when routed to the small model)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from configs.schemas import AppArgs
+from deployments.ingress import Ingress
+from deployments.models import DraftModel, TargetModel
+from deployments.stages import AdmissionController, Router, SemanticCache
+
+
+def build_app(args: AppArgs) -> Application:
+    """`serve run` calls this with `applications[].args`, validated as AppArgs by Serve."""
+    return build_graph(args)
+
+
+def build_graph(args: AppArgs | dict, deployment_options: dict[str, dict[str, Any]] | None = None) -> Application:
+    """Bind the graph. `deployment_options` applies a config file's `deployments:` section when
+    the app is started from Python (tests, bench); `serve run` applies it itself.
+    """
+    if isinstance(args, dict):
+        args = AppArgs.model_validate(args)
+    opts = deployment_options or {}
+
+    def with_options(deployment):
+        return deployment.options(**opts[deployment.name]) if deployment.name in opts else deployment
+
+    admission = with_options(AdmissionController).bind(args.admission.model_dump())
+    cache = with_options(SemanticCache).bind(args.cache.model_dump())
+    router = with_options(Router).bind(
+        args.router.model_dump(), args.target.engine.model_id, args.draft.engine.model_id
+    )
+    target = with_options(TargetModel).bind(args.target.model_dump())
+    draft = with_options(DraftModel).bind(args.draft.model_dump())
+    return with_options(Ingress).bind(args.model_dump(), admission, cache, router, target, draft)

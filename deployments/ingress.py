@@ -1,0 +1,101 @@
+"""Ingress: the OpenAI API. Thin: the request path lives in ingress/pipeline.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from admission.sync import AdmissionSync
+from configs.schemas import AppArgs, EngineConfig
+from engines.model_store import resolve_model_dir
+from engines.types import GenerateRequest
+from ingress.api import build_api
+from ingress.pipeline import ModelStream, Pipeline
+from ingress.prompts import PromptBuilder
+from router.base import RouteDecision, RouteFeatures
+from semantic_cache.exact import CachedResponse
+
+
+class HandleBackends:
+    """The pipeline's view of the other deployments, over Ray handles."""
+
+    def __init__(self, cache: DeploymentHandle, router: DeploymentHandle, models: dict[str, DeploymentHandle]) -> None:
+        self._cache = cache
+        self._router = router
+        self._models = {model_id: h.options(stream=True) for model_id, h in models.items()}
+        self._pending: set[asyncio.Task] = set()
+
+    async def cache_lookup(self, key: str) -> CachedResponse | None:
+        return await self._cache.lookup.remote(key)
+
+    def cache_store(self, key: str, tenant: str, value: CachedResponse) -> None:
+        # Fire and forget, but keep a reference so the write is not garbage-collected mid-flight.
+        task = asyncio.ensure_future(self._await(self._cache.store.remote(key, tenant, value)))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def route(self, features: RouteFeatures) -> RouteDecision:
+        return await self._router.route.remote(features)
+
+    def generate(self, model_id: str, request: GenerateRequest) -> ModelStream:
+        return self._models[model_id].generate.remote(request)
+
+    @staticmethod
+    async def _await(response) -> None:
+        try:
+            await response
+        except Exception:
+            pass  # a lost cache write costs a future miss, nothing more
+
+
+def _prompt_builders(args: AppArgs) -> dict[str, PromptBuilder]:
+    from transformers import AutoTokenizer
+
+    by_dir: dict[str, PromptBuilder] = {}
+    builders: dict[str, PromptBuilder] = {}
+
+    def builder(engine: EngineConfig) -> PromptBuilder:
+        path = str(resolve_model_dir(engine.source, engine.cache_dir))
+        if path not in by_dir:  # one tokenizer per distinct model dir
+            by_dir[path] = PromptBuilder(AutoTokenizer.from_pretrained(path))
+        return by_dir[path]
+
+    builders[args.target.engine.model_id] = builder(args.target.engine)
+    builders[args.draft.engine.model_id] = builder(args.draft.engine)
+    builders[args.router.auto_model_id] = builders[args.target.engine.model_id]
+    return builders
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress()
+class Ingress:
+    async def __init__(
+        self,
+        args: dict,
+        admission: DeploymentHandle,
+        cache: DeploymentHandle,
+        router: DeploymentHandle,
+        target: DeploymentHandle,
+        draft: DeploymentHandle,
+    ) -> None:
+        config = AppArgs.model_validate(args)
+        backends = HandleBackends(
+            cache, router, {config.target.engine.model_id: target, config.draft.engine.model_id: draft}
+        )
+        self.pipeline = Pipeline(config, backends, _prompt_builders(config))
+        replica_id = f"{os.getpid()}-{id(self)}"
+        try:
+            replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:
+            pass
+        self._admission = AdmissionSync(
+            self.pipeline.gate, admission.report.remote, replica_id, config.admission.sync_interval_s
+        )
+        self._sync_task = asyncio.create_task(self._admission.run_forever())
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self.pipeline)
