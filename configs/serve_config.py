@@ -28,6 +28,7 @@ class ServeFile:
     http_host: str
     http_port: int
     env_vars: dict[str, str]
+    logging_config: dict[str, Any]
 
 
 def load_serve_config(path: str | Path = DEFAULT_SERVE_CONFIG, app_index: int = 0) -> ServeFile:
@@ -50,4 +51,5 @@ def load_serve_config(path: str | Path = DEFAULT_SERVE_CONFIG, app_index: int = 
         http_host=http.get("host", "127.0.0.1"),
         http_port=int(http.get("port", 8000)),
         env_vars=dict((app.runtime_env or {}).get("env_vars", {})),
+        logging_config=dict(raw.get("logging_config", {})),
     )

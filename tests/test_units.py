@@ -1,0 +1,261 @@
+"""Domain logic without Ray: engine, detokenizer, sampling, admission, cache, router, context."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from admission.gate import AdmissionGate, Rejection
+from admission.ledger import AdmissionLedger, ReplicaReport
+from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
+from engines.detokenizer import IncrementalDetokenizer
+from engines.generation import Generation
+from engines.sampling import probabilities
+from engines.types import GenerateRequest, SamplingParams
+from ingress.context import context_from_headers
+from ingress.errors import APIError
+from router.base import RouteFeatures
+from router.rules import RuleRouter
+from semantic_cache.exact import CachedResponse, ExactCache
+from semantic_cache.keys import exact_key
+
+
+@pytest.fixture(scope="module")
+def engine(serve_file):
+    from engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(serve_file.args.target.engine)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def _prompt(engine, text="What is the capital of France?"):
+    return engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+
+
+def test_score_k_tokens_matches_stepwise_decoding_and_rolls_back(engine):
+    ids = _prompt(engine)
+    seq = engine.new_sequence()
+    logits = engine.prefill(seq, ids)
+    proposal = [int(torch.argmax(logits)), 578, 1500, 42]
+    scored = engine.score(seq, proposal)
+    assert scored.shape[0] == len(proposal)
+    engine.rollback(seq, len(ids))
+    assert seq.length == len(ids)
+    for i, tok in enumerate(proposal):
+        step = engine.decode_step(seq, tok)
+        assert torch.allclose(step, scored[i], atol=1e-3), f"position {i}"
+    engine.rollback(seq, len(ids) + 1)
+    again = engine.decode_step(seq, proposal[1])
+    assert torch.allclose(again, scored[1], atol=1e-3)
+
+
+def _run(engine, params, ids):
+    gen = Generation(engine, GenerateRequest("t", ids, params))
+    chunks = [gen.prefill()]
+    while not gen.finished:
+        chunks.append(gen.step())
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+def test_greedy_generation_is_deterministic_and_real(engine):
+    ids = _prompt(engine)
+    text1, last1 = _run(engine, SamplingParams(max_tokens=20, temperature=0.0), ids)
+    text2, _ = _run(engine, SamplingParams(max_tokens=20, temperature=0.0), ids)
+    assert text1 == text2 and "Paris" in text1
+    assert last1.finish_reason == "stop" and last1.prompt_tokens == len(ids)
+
+
+def test_seeded_sampling_reproducible_and_seed_sensitive(engine):
+    ids = _prompt(engine, "Write a poem.")
+    a, _ = _run(engine, SamplingParams(max_tokens=16, temperature=1.0, seed=7), ids)
+    b, _ = _run(engine, SamplingParams(max_tokens=16, temperature=1.0, seed=7), ids)
+    c, _ = _run(engine, SamplingParams(max_tokens=16, temperature=1.0, seed=8), ids)
+    assert a == b and a != c
+
+
+def test_max_tokens_is_clamped_to_the_context_window(engine):
+    ids = _prompt(engine)
+    gen = Generation(engine, GenerateRequest("t", ids, SamplingParams(max_tokens=10**6, temperature=0.0)))
+    assert gen.max_tokens == engine.max_model_len - len(ids)
+
+
+# --------------------------------------------------------------------------- detokenizer
+
+
+def _stream(detok, tokenizer, text):
+    out = [detok.add(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    out.append(detok.flush())
+    return out
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "日本語のテキスト", "emoji 🙂🚀 end", "plain ascii text"])
+def test_detokenizer_never_emits_broken_utf8(engine, text):
+    pieces = _stream(IncrementalDetokenizer(engine.tokenizer), engine.tokenizer, text)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_detokenizer_cuts_at_stop_and_holds_back_partial_stops(engine):
+    detok = IncrementalDetokenizer(engine.tokenizer, stop=("STOP here",))
+    pieces = _stream(detok, engine.tokenizer, "alpha beta STOP here gamma")
+    assert "".join(pieces) == "alpha beta "
+    assert detok.stopped
+
+
+def test_detokenizer_releases_partial_stop_at_the_end(engine):
+    detok = IncrementalDetokenizer(engine.tokenizer, stop=("xyz!",))
+    assert "".join(_stream(detok, engine.tokenizer, "ends with xy")) == "ends with xy"
+    assert not detok.stopped
+
+
+def test_stop_string_spanning_a_multibyte_character(engine):
+    detok = IncrementalDetokenizer(engine.tokenizer, stop=("🚀",))
+    assert "".join(_stream(detok, engine.tokenizer, "go 🚀 now")) == "go "
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_top_p_keeps_the_smallest_covering_set():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = probabilities(logits, SamplingParams(max_tokens=1, temperature=1.0, top_p=0.8))
+    assert torch.allclose(probs, torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]), atol=1e-6)
+    probs = probabilities(logits, SamplingParams(max_tokens=1, temperature=1.0, top_p=0.01))
+    assert probs[0] == 1.0
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def test_gate_admits_queues_fifo_and_sheds():
+    async def main():
+        gate = AdmissionGate(max_inflight=1, max_queued=2)
+        await gate.acquire(1)
+        order = []
+
+        async def waiter(name):
+            await gate.acquire(5)
+            order.append(name)
+
+        tasks = [asyncio.create_task(waiter(n)) for n in ("a", "b")]
+        await asyncio.sleep(0.01)
+        assert gate.queued == 2
+        with pytest.raises(Rejection) as full:
+            await gate.acquire(5)
+        assert full.value.reason == "queue_full" and full.value.queued_ahead == 2
+        gate.release()
+        await asyncio.sleep(0.01)
+        gate.release()
+        await asyncio.gather(*tasks)
+        assert order == ["a", "b"] and gate.inflight == 1
+
+    asyncio.run(main())
+
+
+def test_gate_deadline_in_queue_and_cancellation_release_slots():
+    async def main():
+        gate = AdmissionGate(max_inflight=1, max_queued=5)
+        await gate.acquire(1)
+        with pytest.raises(Rejection) as late:
+            await gate.acquire(0.05)
+        assert late.value.reason == "deadline_in_queue" and gate.queued == 0
+        task = asyncio.create_task(gate.acquire(5))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        assert gate.queued == 0
+        gate.release()
+        assert gate.inflight == 0
+        gate.set_limits(3, 1)
+        for _ in range(3):
+            await gate.acquire(0.01)
+        assert gate.inflight == 3
+
+    asyncio.run(main())
+
+
+def test_ledger_shares_limits_among_live_replicas():
+    now = [0.0]
+    ledger = AdmissionLedger(AdmissionConfig(max_inflight=10, max_queued=5, sync_interval_s=1.0), clock=lambda: now[0])
+    share = ledger.report("a", ReplicaReport(1, 0, 1, 0))
+    assert (share.max_inflight, share.max_queued, share.live_replicas) == (10, 5, 1)
+    share = ledger.report("b", ReplicaReport(2, 1, 2, 0))
+    assert (share.max_inflight, share.max_queued, share.live_replicas) == (5, 3, 2)
+    assert ledger.totals()["inflight"] == 3
+    now[0] = 10.0  # "a" stopped reporting: it no longer holds a share
+    assert ledger.report("b", ReplicaReport(0, 0, 2, 0)).max_inflight == 10
+
+
+# --------------------------------------------------------------------------- cache and keys
+
+
+def _value(text="hi"):
+    return CachedResponse(text, "stop", 3, 1, "m")
+
+
+def test_exact_cache_ttl_lru_and_tenant_invalidation():
+    now = [0.0]
+    cache = ExactCache(CacheConfig(max_entries=2, ttl_s=10), clock=lambda: now[0])
+    cache.put("k1", "t1", _value("a"))
+    cache.put("k2", "t2", _value("b"))
+    assert cache.get("k1").text == "a"
+    cache.put("k3", "t1", _value("c"))  # evicts k2, the least recently used
+    assert cache.get("k2") is None and cache.get("k3").text == "c"
+    now[0] = 11.0
+    assert cache.get("k1") is None  # expired
+    cache.put("k4", "t1", _value())
+    cache.put("k5", "t2", _value())
+    assert cache.invalidate("t1") == 1 and cache.get("k5") is not None
+
+
+def test_cache_key_scopes_tenant_context_and_sampling():
+    base = dict(tenant="t", model="chat:m", messages=[{"role": "user", "content": "Hi  there"}], sampling={"max_tokens": 5})
+    key = exact_key(**base)
+    assert key == exact_key(**{**base, "messages": [{"role": "user", "content": "Hi there"}]})  # whitespace only
+    assert key != exact_key(**{**base, "tenant": "u"})
+    assert key != exact_key(**{**base, "sampling": {"max_tokens": 6}})
+    with_history = [{"role": "user", "content": "Earlier"}, {"role": "assistant", "content": "Ok"}] + base["messages"]
+    assert key != exact_key(**{**base, "messages": with_history})
+    assert key != exact_key(**{**base, "messages": [{"role": "system", "content": "x"}] + base["messages"]})
+
+
+# --------------------------------------------------------------------------- router
+
+
+def test_rule_router():
+    router = RuleRouter(RouterConfig(small_max_prompt_tokens=50, small_max_output_tokens=64), "large", "small")
+
+    def route(**kw):
+        f = dict(requested_model="auto", prompt_tokens=10, max_tokens=32, user_turns=1, last_user_message="hello")
+        f.update(kw)
+        return router.route(RouteFeatures(**f))
+
+    assert (route().model_id, route().reason) == ("small", "simple")
+    assert route(requested_model="large").reason == "explicit"
+    assert route(prompt_tokens=51).reason == "long_prompt"
+    assert route(max_tokens=65).reason == "long_output"
+    assert route(user_turns=9).reason == "deep_conversation"
+    assert route(last_user_message="Please PROVE it").reason == "hard_keyword"
+
+
+# --------------------------------------------------------------------------- request context
+
+
+def test_context_from_headers():
+    ctx = context_from_headers({"authorization": "Bearer sk-secret", "x-request-deadline-ms": "1500"})
+    assert ctx.tenant.startswith("key-") and "sk-secret" not in ctx.tenant
+    assert 1.0 < ctx.remaining_s(100) <= 1.5
+    assert context_from_headers({"x-tenant": "acme", "authorization": "Bearer k"}).tenant == "acme"
+    assert context_from_headers({}).tenant == "anonymous"
+    ctx = context_from_headers({"cache-control": "no-cache", "x-slo-tier": "batch"})
+    assert ctx.no_cache and not ctx.no_store and ctx.tier == "batch"
+    for bad in ({"x-request-deadline-ms": "-1"}, {"x-request-deadline-ms": "abc"}, {"x-tenant": "a b"}):
+        with pytest.raises(APIError):
+            context_from_headers(bad)
