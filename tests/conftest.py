@@ -4,16 +4,12 @@ real Ray Serve (loopback, a free port), once per test session."""
 from __future__ import annotations
 
 import os
-import socket
-import time
-
 import httpx
 import pytest
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from bench.service import OFFLINE_ENV, running_service  # noqa: E402
+
+os.environ.update(OFFLINE_ENV)  # tests never reach a model hub
 
 from configs.serve_config import load_serve_config  # noqa: E402
 from configs.schemas import EngineConfig  # noqa: E402
@@ -22,12 +18,6 @@ from configs.schemas import EngineConfig  # noqa: E402
 # behaviour can be provoked with a handful of requests.
 TEST_MAX_INFLIGHT = 2
 TEST_MAX_QUEUED = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -70,45 +60,11 @@ def tokenizer(serve_file):
 
 @pytest.fixture(scope="session")
 def service(serve_file):
-    import ray
-    from ray import serve
+    def tighten(args):
+        args.admission.max_inflight = TEST_MAX_INFLIGHT
+        args.admission.max_queued = TEST_MAX_QUEUED
 
-    from deployments.app import build_graph
-
-    args = serve_file.args.model_copy(deep=True)
-    args.admission.max_inflight = TEST_MAX_INFLIGHT
-    args.admission.max_queued = TEST_MAX_QUEUED
-    port = _free_port()
-    ray.init(
-        num_cpus=8,
-        include_dashboard=False,
-        runtime_env={"env_vars": serve_file.env_vars},
-        logging_level="WARNING",
-    )
-    try:
-        logging_config = {**serve_file.logging_config, "log_level": "WARNING"}
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=logging_config)
-        serve.run(
-            build_graph(args, serve_file.deployment_options),
-            name=serve_file.app_name,
-            route_prefix=serve_file.route_prefix,
-        )
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise RuntimeError("service did not become healthy in 300 s")
+    with running_service(serve_file, tweak=tighten) as base:
         svc = Service(base, serve_file)
         yield svc
         svc.http.close()
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()

@@ -1,0 +1,54 @@
+"""Benchmark harness: `python -m bench <suite> --out FILE.json`.
+
+Each suite starts and stops what it needs (Ray, the graph), sends load only to loopback,
+bounded in requests, and writes one JSON result file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from bench.service import OFFLINE_ENV
+
+SUITES = {
+    "stack": "bench.stack",  # engine direct vs the whole graph; per-hop cost
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("suite", choices=sorted(SUITES))
+    parser.add_argument("--out", required=True, help="where to write the JSON result")
+    parser.add_argument("--requests", type=int, default=16, help="measured requests per side")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    os.environ.update(OFFLINE_ENV)
+    import importlib
+
+    suite = importlib.import_module(SUITES[args.suite])
+    started = time.time()
+    result = suite.run(requests=args.requests, max_tokens=args.max_tokens)
+    result = {
+        "suite": args.suite,
+        "started_unix": round(started),
+        "duration_s": round(time.time() - started, 1),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        **result,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""Suite `stack`: the engine called directly vs the whole graph, in one run, plus hop costs.
+
+Both sides decode the same prompts greedily with the same engine config. The engine side runs
+in this process (no Ray, no HTTP); the stack side goes through serve_config.yaml's graph with
+the openai SDK streaming over loopback, so TTFT and ITL are measured at the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tqdm import tqdm
+
+from bench.stats import summary
+from configs.serve_config import load_serve_config
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a hash table is in two sentences.",
+    "Write a haiku about autumn leaves.",
+    "What are the health benefits of green tea?",
+    "How do I reverse a list in Python?",
+    "Summarize the plot of Romeo and Juliet briefly.",
+    "Why is the sky blue?",
+]
+CONTEXT = (
+    "You are a support assistant for a cloud storage product. Answer briefly and precisely. "
+    "Customers may ask about billing, storage limits, sharing links, and account security. "
+) * 3
+
+
+def prompts(n: int) -> list[list[dict[str, str]]]:
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        if i % 2:  # half with a longer system prompt: a realistic TTFT spread
+            out.append([{"role": "system", "content": CONTEXT}, {"role": "user", "content": f"{q} (#{i})"}])
+        else:
+            out.append([{"role": "user", "content": f"{q} (#{i})"}])
+    return out
+
+
+def _engine_direct(engine_config, conversations, max_tokens: int) -> dict:
+    from engines.service import ModelService
+    from engines.types import GenerateRequest, SamplingParams
+    from ingress.prompts import PromptBuilder
+    from ingress.protocol import ChatMessage
+
+    service = ModelService(engine_config)
+    builder = PromptBuilder(service.engine.tokenizer)
+    ttft, itl = [], []
+
+    async def run_one(i: int, conv) -> None:
+        ids = builder.chat([ChatMessage(**m) for m in conv])
+        request = GenerateRequest(f"direct-{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        start = time.perf_counter()
+        times = []
+        async for chunk in service.generate(request):
+            if chunk.num_tokens:
+                times.append(time.perf_counter())
+        ttft.append((times[0] - start) * 1000)
+        itl.extend((b - a) * 1000 for a, b in zip(times, times[1:]))
+
+    async def run_all() -> None:
+        for i, conv in enumerate(tqdm(conversations, desc="engine direct", unit="req")):
+            await run_one(i, conv)
+
+    asyncio.run(run_all())
+    return {"ttft_ms": summary(ttft), "itl_ms": summary(itl)}
+
+
+def _through_stack(base_url: str, model: str, conversations, max_tokens: int) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0)
+    ttft: list[float] = []
+    itl: list[float] = []
+    stages: dict[str, list[float]] = {}
+    for conv in tqdm(conversations, desc="through stack", unit="req"):
+        start = time.perf_counter()
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=conv, temperature=0, max_tokens=max_tokens, stream=True
+        )
+        for part in raw.headers.get("server-timing", "").split(","):
+            if ";dur=" in part:
+                name, dur = part.strip().split(";dur=")
+                stages.setdefault(name, []).append(float(dur))
+        times = []
+        for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append(time.perf_counter())
+        ttft.append((times[0] - start) * 1000)
+        itl.extend((b - a) * 1000 for a, b in zip(times, times[1:]))
+    return {
+        "ttft_ms": summary(ttft),
+        "itl_ms": summary(itl),
+        "server_timing_ms": {k: summary(v) for k, v in stages.items()},
+    }
+
+
+def run(requests: int = 16, max_tokens: int = 32, hop_requests: int = 300) -> dict:
+    from bench.hops import measure_hops
+    from bench.service import running_service
+
+    serve_file = load_serve_config()
+    target = serve_file.args.target.engine
+    conversations = prompts(requests)
+    # Warm-up conversation first on both sides, then the measured ones.
+    direct = _engine_direct(target, conversations, max_tokens)
+    with running_service(serve_file) as base:
+        _through_stack(base, target.model_id, prompts(2), 4)  # warm the path
+        stack = _through_stack(base, target.model_id, conversations, max_tokens)
+        hops = measure_hops(hop_requests)
+    overhead = {
+        "ttft_ms_p50": round(stack["ttft_ms"]["p50"] - direct["ttft_ms"]["p50"], 2),
+        "ttft_ratio_p50": round(stack["ttft_ms"]["p50"] / direct["ttft_ms"]["p50"], 3),
+        "itl_ms_p50": round(stack["itl_ms"]["p50"] - direct["itl_ms"]["p50"], 2),
+        "itl_ratio_p50": round(stack["itl_ms"]["p50"] / direct["itl_ms"]["p50"], 3),
+    }
+    return {
+        "config": {"requests": requests, "max_tokens": max_tokens, "model": target.model_id, "dtype": target.dtype},
+        "engine_direct": direct,
+        "stack": stack,
+        "overhead": overhead,
+        "hops": hops,
+    }
