@@ -233,6 +233,7 @@ class Pipeline:
             ) from None
         permit = Permit(self.gate)
         p.timings["admit"] = _ms(start)
+        stream: ModelStream | None = None
         try:
             hit, decision = await self._lookup_and_route(p)
             if hit is not None:
@@ -253,6 +254,7 @@ class Pipeline:
             headers = self._headers(p, decision, "miss" if p.cache_key and not ctx.no_cache else "bypass")
             if not p.stream:
                 text, last = await self._collect(first, stream, p)
+                stream = None  # finished: nothing left to cancel
                 permit.release()
                 p.timings["total"] = _ms(start)
                 headers["server-timing"] = _server_timing(p.timings)
@@ -264,10 +266,14 @@ class Pipeline:
                 return JSONResponse(body, headers=headers)
             headers["server-timing"] = _server_timing(p.timings)
             body_iter = self._sse(p, decision, first, stream, permit)
+            stream = None  # from here on the SSE body owns the stream and the permit
             head = await body_iter.__anext__()  # started: its `finally` now runs even if nobody reads on
             return StreamingResponse(_prepend(head, body_iter), media_type="text/event-stream", headers=headers)
         except BaseException:
+            # Error, timeout or client gone (CancelledError): free the slot, stop the model.
             permit.release()
+            if stream is not None:
+                stream.cancel()
             raise
 
     async def _lookup_and_route(self, p: Prepared) -> tuple[CachedResponse | None, RouteDecision]:
@@ -344,10 +350,9 @@ class Pipeline:
                     yield writer.error(err.message, err.code or "backend_error")
                     yield writer.done()
                     return
-                if chunk.text or chunk.finish_reason is None:
-                    if chunk.text:
-                        parts.append(chunk.text)
-                        yield writer.delta(chunk.text)
+                if chunk.text:
+                    parts.append(chunk.text)
+                    yield writer.delta(chunk.text)
             yield writer.delta("", chunk.finish_reason)
             if p.include_usage:
                 yield writer.usage(chunk.prompt_tokens, chunk.completion_tokens)

@@ -364,3 +364,24 @@ def test_overload_sheds_with_retry_after_and_disconnect_stops_generation(service
     assert service.model_stats("TargetModel")["tokens_generated"] == generated
     health = service.http.get("/health").json()["admission"]
     assert health["inflight"] == 0 and health["queued"] == 0, "admission slots must be released"
+
+
+def test_non_streaming_disconnect_stops_generation(service):
+    before = service.model_stats("TargetModel")
+    body = {
+        "model": TARGET,
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        "max_tokens": 400,
+        "temperature": 0.7,
+    }
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1.5 s and disconnects
+        httpx.post(service.base_url + "/v1/chat/completions", json=body, timeout=1.5)
+    stats = _wait_for(
+        lambda: (s := service.model_stats("TargetModel"))["active"] == 0
+        and s["requests_cancelled"] > before["requests_cancelled"]
+        and s,
+        timeout_s=20,
+    )
+    assert stats, f"generation kept running after the client left: {service.model_stats('TargetModel')}"
+    assert stats["tokens_generated"] - before["tokens_generated"] < 400
+    assert service.http.get("/health").json()["admission"]["inflight"] == 0
