@@ -18,6 +18,7 @@ from bench.service import OFFLINE_ENV
 
 SUITES = {
     "stack": "bench.stack",  # engine direct vs the whole graph; per-hop cost
+    "spec": "bench.spec",  # speculative decoding vs target-alone vs HF assisted generation
 }
 
 
@@ -25,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--out", required=True, help="where to write the JSON result")
-    parser.add_argument("--requests", type=int, default=16, help="measured requests per side")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=None, help="measured requests (per workload for spec)")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="a shorter run (fewer variants)")
     args = parser.parse_args(argv)
 
     os.environ.update(OFFLINE_ENV)
@@ -34,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
 
     suite = importlib.import_module(SUITES[args.suite])
     started = time.time()
-    result = suite.run(requests=args.requests, max_tokens=args.max_tokens)
+    kwargs = {k: v for k, v in (("requests", args.requests), ("max_tokens", args.max_tokens)) if v is not None}
+    if args.quick:
+        kwargs["quick"] = True
+    result = suite.run(**kwargs)
     result = {
         "suite": args.suite,
         "started_unix": round(started),

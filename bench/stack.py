@@ -42,13 +42,13 @@ def prompts(n: int) -> list[list[dict[str, str]]]:
     return out
 
 
-def _engine_direct(engine_config, conversations, max_tokens: int) -> dict:
+def _engine_direct(stage_config, conversations, max_tokens: int) -> dict:
     from engines.service import ModelService
     from engines.types import GenerateRequest, SamplingParams
     from ingress.prompts import PromptBuilder
     from ingress.protocol import ChatMessage
 
-    service = ModelService(engine_config)
+    service = ModelService(stage_config)
     builder = PromptBuilder(service.engine.tokenizer)
     ttft, itl = [], []
 
@@ -100,7 +100,7 @@ def _through_stack(base_url: str, model: str, conversations, max_tokens: int) ->
     }
 
 
-def run(requests: int = 16, max_tokens: int = 32, hop_requests: int = 300) -> dict:
+def run(requests: int = 16, max_tokens: int = 32, hop_requests: int = 300, quick: bool = False) -> dict:
     from bench.hops import measure_hops
     from bench.service import running_service
 
@@ -108,7 +108,7 @@ def run(requests: int = 16, max_tokens: int = 32, hop_requests: int = 300) -> di
     target = serve_file.args.target.engine
     conversations = prompts(requests)
     # Warm-up conversation first on both sides, then the measured ones.
-    direct = _engine_direct(target, conversations, max_tokens)
+    direct = _engine_direct(serve_file.args.target, conversations, max_tokens)
     with running_service(serve_file) as base:
         _through_stack(base, target.model_id, prompts(2), 4)  # warm the path
         stack = _through_stack(base, target.model_id, conversations, max_tokens)

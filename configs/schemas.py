@@ -36,7 +36,9 @@ class ModelSource(_Strict):
 class EngineConfig(_Strict):
     """One model engine (a replica's copy of a model)."""
 
-    kind: Literal["transformers"] = "transformers"
+    kind: Literal["transformers", "llama_cpp"] = Field(
+        "transformers", description="transformers (any HF model) or llama_cpp (the GGUF itself, ~5x faster here)"
+    )
     model_id: str = Field(..., description="Name clients use in the `model` field")
     source: ModelSource
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -44,16 +46,43 @@ class EngineConfig(_Strict):
     max_model_len: int = Field(2048, ge=16, description="prompt + completion tokens per request")
     cache_dir: str | None = Field(None, description="converted-weights cache; default ~/.cache/latency-serve")
     warmup: bool = True
+    max_sequences: int = Field(4, ge=1, le=64, description="llama_cpp: KV contexts (concurrent sequences) per replica")
 
 
 class SamplingDefaults(_Strict):
     default_max_tokens: int = Field(256, ge=1, description="used when a request sets no max_tokens")
 
 
+class SpeculativeConfig(_Strict):
+    """Speculative decoding in a model replica. Lossless: output is what the engine alone makes."""
+
+    method: Literal["none", "ngram", "draft_model", "ngram+draft_model"] = "none"
+    draft_engine: EngineConfig | None = Field(None, description="the draft model (co-located placement)")
+    placement: Literal["colocated", "remote"] = Field(
+        "colocated", description="colocated: draft runs in this replica; remote: the DraftModel deployment"
+    )
+    k_max: int = Field(8, ge=1, le=32, description="most draft tokens per verify pass")
+    adaptive: bool = Field(True, description="choose k per round from live acceptance and costs; k=0 when it loses")
+    fixed_k: int | None = Field(None, ge=1, le=32, description="always propose this many (benchmarks)")
+    ngram_min: int = Field(2, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    use_hints: bool = Field(True, description="draft from request hints (semantic-cache near misses) first")
+    prior_acceptance: float = Field(0.7, gt=0, lt=1, description="acceptance assumed before any is measured")
+
+    @model_validator(mode="after")
+    def _needs_draft(self) -> "SpeculativeConfig":
+        if "draft_model" in self.method and self.placement == "colocated" and self.draft_engine is None:
+            raise ValueError("method uses a draft model: set `draft_engine` (or placement: remote)")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must be <= ngram_max")
+        return self
+
+
 class ModelStageConfig(_Strict):
     """Args of the TargetModel / DraftModel deployments."""
 
     engine: EngineConfig
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 class RouterConfig(_Strict):

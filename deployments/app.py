@@ -40,6 +40,8 @@ def build_graph(args: AppArgs | dict, deployment_options: dict[str, dict[str, An
     router = with_options(Router).bind(
         args.router.model_dump(), args.target.engine.model_id, args.draft.engine.model_id
     )
-    target = with_options(TargetModel).bind(args.target.model_dump())
     draft = with_options(DraftModel).bind(args.draft.model_dump())
+    # Remote speculation: the target calls the draft deployment once per round.
+    remote_draft = draft if args.target.speculative.placement == "remote" and "draft_model" in args.target.speculative.method else None
+    target = with_options(TargetModel).bind(args.target.model_dump(), remote_draft)
     return with_options(Ingress).bind(args.model_dump(), admission, cache, router, target, draft)

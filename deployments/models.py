@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
+import torch
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from configs.schemas import ModelStageConfig
+from draft.remote import DraftSessions, RemoteDraft
 from engines.service import ModelService
-from engines.types import GenerateChunk, GenerateRequest
+from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 
 
 class _ModelDeployment:
-    def __init__(self, args: dict) -> None:
+    def __init__(self, args: dict, draft: DeploymentHandle | None = None) -> None:
         config = ModelStageConfig.model_validate(args)
-        self.service = ModelService(config.engine)
+        remote = RemoteDraft(draft) if draft is not None else None
+        self.service = ModelService(config, remote_draft=remote)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         async for chunk in self.service.generate(request):
@@ -31,4 +36,25 @@ class TargetModel(_ModelDeployment):
 
 @serve.deployment(name="DraftModel")
 class DraftModel(_ModelDeployment):
-    pass
+    """The small model: serves whole routed requests, and drafts for remote speculation."""
+
+    def __init__(self, args: dict) -> None:
+        super().__init__(args)
+        self.sessions = DraftSessions(self.service.engine)
+
+    async def propose(
+        self, session_id: str, context: list[int], k: int, params: SamplingParams, seed: int
+    ) -> tuple[list[int], torch.Tensor | None, float]:
+        loop = asyncio.get_running_loop()
+        # The same worker thread as generate(): one forward pass at a time in this replica.
+        proposal = await loop.run_in_executor(
+            self.service.executor, self.sessions.propose, session_id, context, k, params, seed
+        )
+        return proposal.tokens, proposal.probs, proposal.marginal_ms
+
+    async def end(self, session_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.service.executor, self.sessions.end, session_id)
+
+    async def stats(self) -> dict[str, int]:
+        return {**self.service.stats.as_dict(), "draft_sessions_recomputed": self.sessions.recomputed}

@@ -1,7 +1,7 @@
 """The engine interface every model backend implements.
 
 An engine owns weights and a tokenizer and runs forward passes over a per-sequence KV
-cache. It knows nothing about requests, streaming or sampling: `engines.generation`
+cache. It knows nothing about requests, streaming or sampling: `target.decoding`
 drives it. Speculative decoding needs exactly these four operations:
 
 - `prefill`: run the prompt, return the next-token logits;
@@ -40,7 +40,7 @@ class Engine(ABC):
 
     @abstractmethod
     def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
-        """Run the prompt; return logits for the next token, shape [vocab]."""
+        """Append tokens (a prompt, or a catch-up); return logits for the next token, shape [vocab]."""
 
     @abstractmethod
     def score(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
@@ -53,3 +53,6 @@ class Engine(ABC):
     @abstractmethod
     def rollback(self, seq: Sequence, length: int) -> None:
         """Drop KV entries past `length` tokens."""
+
+    def release(self, seq: Sequence | None) -> None:
+        """The sequence is finished: free what it holds (a no-op where GC does it)."""

@@ -1,9 +1,9 @@
 """Async front of an engine: one worker thread, many concurrent streaming requests.
 
 torch releases the GIL in its kernels, but two forward passes at once on a 2-core box only
-thrash. So every forward pass of this replica runs on ONE worker thread; requests take
-turns step by step (round-robin through the executor's FIFO), and the event loop stays
-free for new requests, health checks and cancellations.
+thrash. So every forward pass of this replica (target and co-located draft) runs on ONE
+worker thread; requests take turns step by step (round-robin through the executor's FIFO),
+and the event loop stays free for new requests, health checks and cancellations.
 """
 
 from __future__ import annotations
@@ -14,17 +14,22 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from configs.schemas import EngineConfig
+from configs.schemas import ModelStageConfig
+from draft.factory import build_proposers
+from draft.proposers import Proposer
 from engines.base import Engine
-from engines.generation import Generation
-from engines.transformers_engine import build_engine
+from engines.factory import build_engine
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
+from target.adaptive import CostModel, KChooser
+from target.decoding import Generation, Speculation
 
 log = logging.getLogger(__name__)
 
+_WARMUP_TEXT = "Warm up the engine with a short prompt about the weather in a city by the sea."
+
 
 class EngineStats:
-    """Counters a test or the admission controller can read off a replica."""
+    """Counters a test, a benchmark or the admission controller can read off a replica."""
 
     def __init__(self) -> None:
         self.requests_started = 0
@@ -33,29 +38,88 @@ class EngineStats:
         self.tokens_generated = 0
         self.forward_passes = 0
         self.active = 0
+        self.draft_tokens_proposed = 0
+        self.draft_tokens_accepted = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
 
 class ModelService:
-    def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelStageConfig,
+        engine: Engine | None = None,
+        remote_draft: Proposer | None = None,
+    ) -> None:
         self.config = config
-        self.engine = engine or build_engine(config)
+        self.engine = engine or build_engine(config.engine)
         self.stats = EngineStats()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{config.model_id}")
-        if config.warmup:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{config.engine.model_id}")
+        self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
+        self.costs: CostModel | None = None
+        if config.engine.warmup:
             self._warmup()
+        if self.proposers:
+            self.costs = self._calibrate()
+
+    # ------------------------------------------------------------------ start-up
 
     def _warmup(self) -> None:
         """Pay first-call costs (allocator, kernel selection) before real traffic arrives."""
         start = time.monotonic()
-        ids = self.engine.tokenizer.encode("Warm up the engine with a short prompt.")
-        gen = Generation(self.engine, GenerateRequest("warmup", ids, SamplingParams(max_tokens=4, temperature=0.0)))
-        gen.prefill()
-        while not gen.finished:
-            gen.step()
-        log.info("%s warm in %.2f s", self.config.model_id, time.monotonic() - start)
+        ids = self.engine.tokenizer.encode(_WARMUP_TEXT)
+        for engine in filter(None, (self.engine, self.draft_engine)):
+            gen = Generation(engine, GenerateRequest("warmup", ids, SamplingParams(max_tokens=4, temperature=0.0)))
+            gen.prefill()
+            while not gen.finished:
+                gen.step()
+        log.info("%s warm in %.2f s", self.config.engine.model_id, time.monotonic() - start)
+
+    def _calibrate(self) -> CostModel:
+        """Measure what verifying m tokens and drafting one token cost on this replica."""
+        spec = self.config.speculative
+        ids = self.engine.tokenizer.encode(_WARMUP_TEXT)
+        seq = self.engine.new_sequence()
+        self.engine.prefill(seq, ids)
+        base = seq.length
+
+        def score(m: int) -> None:
+            self.engine.score(seq, ids[:m] if m <= len(ids) else (ids * m)[:m])
+            self.engine.rollback(seq, base)
+
+        draft_ms = 0.05  # n-gram / hint lookups are practically free
+        if self.draft_engine is not None:
+            dseq = self.draft_engine.new_sequence()
+            self.draft_engine.prefill(dseq, ids)
+            samples = []
+            for token in ids[:8]:
+                t = time.perf_counter()
+                self.draft_engine.decode_step(dseq, token)
+                samples.append((time.perf_counter() - t) * 1000)
+            self.draft_engine.release(dseq)
+            draft_ms = sorted(samples)[len(samples) // 2]
+        costs = CostModel.calibrate(score, spec.k_max, draft_ms, spec.prior_acceptance)
+        self.engine.release(seq)
+        log.info(
+            "%s speculation: verify ms by tokens %s, draft %.1f ms/token",
+            self.config.engine.model_id,
+            [round(v.value, 1) for v in costs.verify],
+            draft_ms,
+        )
+        return costs
+
+    # ------------------------------------------------------------------ requests
+
+    def _speculation(self, request: GenerateRequest | None = None) -> Speculation | None:
+        if not self.proposers or self.costs is None:
+            return None
+        if request is not None and request.sampling.seed is not None and not request.sampling.greedy:
+            # Speculation keeps the distribution but changes which random draws are used, and
+            # k adapts to timing: a seeded sample would not repeat. Seeded sampling decodes plainly.
+            return None
+        spec = self.config.speculative
+        return Speculation(self.proposers, KChooser(self.costs, enabled=spec.adaptive or spec.fixed_k is not None, fixed_k=spec.fixed_k))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream chunks for one request. Cancelling the consumer stops it within one step."""
@@ -63,29 +127,35 @@ class ModelService:
         enqueued = time.perf_counter()
         self.stats.requests_started += 1
         self.stats.active += 1
-        gen = Generation(self.engine, request)
+        gen: Generation | None = None
         finished = False
         try:
             if request.deadline_unix is not None and time.time() > request.deadline_unix:
                 finished = True
                 yield GenerateChunk("", 0, "abort", len(request.prompt_token_ids), 0, {"deadline_expired": 1.0})
                 return
-            chunk = await loop.run_in_executor(self._executor, self._timed_prefill, gen, enqueued)
+            gen = Generation(self.engine, request, self._speculation(request))
+            chunk = await loop.run_in_executor(self.executor, self._timed_prefill, gen, enqueued)
             while True:
                 self.stats.forward_passes += 1
                 self.stats.tokens_generated += chunk.num_tokens
                 if chunk.finish_reason is not None:
                     finished = True
+                    self.stats.draft_tokens_proposed += int(chunk.timings_ms.get("spec_proposed", 0))
+                    self.stats.draft_tokens_accepted += int(chunk.timings_ms.get("spec_accepted", 0))
                     yield chunk
                     return
                 yield chunk
-                chunk = await loop.run_in_executor(self._executor, gen.step)
+                chunk = await loop.run_in_executor(self.executor, gen.step)
         finally:
             self.stats.active -= 1
             if finished:
                 self.stats.requests_finished += 1
             else:
                 self.stats.requests_cancelled += 1
+                if gen is not None and not gen.finished:
+                    # Free KV / draft state on the worker thread, after any step in flight.
+                    self.executor.submit(gen.abort)
 
     @staticmethod
     def _timed_prefill(gen: Generation, enqueued: float) -> GenerateChunk:

@@ -73,8 +73,3 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
             ids.update(int(v) for v in value)
     return frozenset(ids)
 
-
-def build_engine(config: EngineConfig) -> Engine:
-    if config.kind == "transformers":
-        return TransformersEngine(config)
-    raise ValueError(f"unknown engine kind {config.kind!r}")

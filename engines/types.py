@@ -31,6 +31,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     deadline_unix: float | None = None  # absolute wall-clock deadline, if the client set one
+    draft_hint_ids: list[int] | None = None  # e.g. a near-miss cached answer, for the hint drafter
 
 
 @dataclass(slots=True)

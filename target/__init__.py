@@ -1,4 +1,4 @@
 """The target (large) model: the model whose output the service promises.
 
-Target-only decoding today (engines.generation). Speculative verification lands here.
+Decoding (target/decoding.py), speculative verification (verify.py) and adaptive k (adaptive.py).
 """

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import TEST_MAX_INFLIGHT
 
 TARGET = "smollm2-135m-instruct"
-SMALL = "smollm2-135m-instruct-bf16"
+SMALL = "smollm2-135m-instruct-q4"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 NO_CACHE = {"Cache-Control": "no-cache, no-store"}
 

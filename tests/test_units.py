@@ -11,7 +11,7 @@ from admission.gate import AdmissionGate, Rejection
 from admission.ledger import AdmissionLedger, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
 from engines.detokenizer import IncrementalDetokenizer
-from engines.generation import Generation
+from target.decoding import Generation
 from engines.sampling import probabilities
 from engines.types import GenerateRequest, SamplingParams
 from ingress.context import context_from_headers

@@ -1,0 +1,187 @@
+"""Suite `spec`: speculative decoding vs target-alone vs transformers' assisted generation.
+
+One process, one run, the same fp32 target for everything:
+- target alone: our decode loop without speculation;
+- ours: the speculative config shipped in serve_config.yaml (and, unless --quick, each
+  candidate proposer, so the shipped default is the measured winner);
+- HF assisted: `model.generate` with prompt lookup and with an int8 copy of the target as the
+  assistant; per workload the faster of the two counts.
+Greedy decoding throughout, so `lossless` compares token ids with target-alone on every prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from tqdm import tqdm
+
+from bench.stats import summary
+from bench.workloads import conversations
+from configs.serve_config import load_serve_config
+from engines.types import GenerateRequest, SamplingParams
+
+CANDIDATES = {
+    "ngram": {"method": "ngram"},
+    "draft_model": {"method": "draft_model"},
+    "ngram+draft_model": {"method": "ngram+draft_model"},
+}
+
+
+def _decode(service, ids: list[int], max_tokens: int, speculate: bool, spec_config=None) -> dict:
+    from target.decoding import Generation, Speculation
+    from target.adaptive import KChooser
+
+    speculation = None
+    if speculate:
+        if spec_config is None:
+            speculation = service._speculation()
+        else:
+            proposers, costs = spec_config
+            speculation = Speculation(proposers, KChooser(costs))
+    request = GenerateRequest("bench", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    start = time.perf_counter()
+    gen = Generation(service.engine, request, speculation)
+    chunks, stamps = [gen.prefill()], [time.perf_counter()]
+    while not gen.finished:
+        chunks.append(gen.step())
+        stamps.append(time.perf_counter())
+    itl = []
+    for (a, b), chunk in zip(zip(stamps, stamps[1:]), chunks[1:]):
+        if chunk.num_tokens:
+            itl.extend([(b - a) * 1000 / chunk.num_tokens] * chunk.num_tokens)
+    last = chunks[-1]
+    return {
+        "tokens": gen.tokens[len(ids) :],
+        "seconds": stamps[-1] - start,
+        "itl_ms": itl,
+        "proposed": int(last.timings_ms.get("spec_proposed", 0)),
+        "accepted": int(last.timings_ms.get("spec_accepted", 0)),
+    }
+
+
+def _hf_generate(model, ids: list[int], max_tokens: int, **kwargs) -> dict:
+    input_ids = torch.tensor([ids])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+    return {"tokens": out[0, len(ids) :].tolist(), "seconds": time.perf_counter() - start}
+
+
+def _rate(results: list[dict]) -> float:
+    tokens = sum(len(r["tokens"]) for r in results)
+    seconds = sum(r["seconds"] for r in results)
+    return tokens / seconds if seconds else 0.0
+
+
+def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
+    from engines.service import ModelService
+    from ingress.prompts import PromptBuilder
+    from ingress.protocol import ChatMessage
+
+    serve_file = load_serve_config()
+    stage = serve_file.args.target
+    if stage.speculative.method == "none":
+        raise SystemExit("serve_config.yaml's target has speculative.method: none; nothing to measure")
+    service = ModelService(stage)
+    builder = PromptBuilder(service.engine.tokenizer)
+    workloads = {
+        name: [builder.chat([ChatMessage(**m) for m in conv]) for conv in convs[:requests]]
+        for name, convs in conversations().items()
+    }
+    # Candidate drafters share the replica's engines and measured costs.
+    candidates = {}
+    if not quick:
+        from draft.proposers import HintDraft, ModelDraft, NgramDraft
+
+        cfg = stage.speculative
+        for name, overrides in CANDIDATES.items():
+            method = overrides["method"]
+            parts = [HintDraft(cfg.ngram_min, cfg.ngram_max)]
+            if "ngram" in method:
+                parts.append(NgramDraft(cfg.ngram_min, cfg.ngram_max))
+            if "draft_model" in method:
+                if service.draft_engine is None:
+                    continue
+                parts.append(ModelDraft(service.draft_engine))
+            candidates[name] = (parts, copy.deepcopy(service.costs))
+
+    results: dict[str, dict[str, list[dict]]] = {}
+    lossless = True
+    total = sum(len(v) for v in workloads.values())
+    with tqdm(total=total, desc="spec: target vs speculative", unit="prompt") as bar:
+        for name, prompts in workloads.items():
+            per = results.setdefault(name, {"target": [], "ours": []})
+            for ids in prompts:
+                base = _decode(service, ids, max_tokens, speculate=False)
+                ours = _decode(service, ids, max_tokens, speculate=True)
+                lossless &= ours["tokens"] == base["tokens"]
+                per["target"].append(base)
+                per["ours"].append(ours)
+                for cand, spec in candidates.items():
+                    out = _decode(service, ids, max_tokens, speculate=True, spec_config=spec)
+                    lossless &= out["tokens"] == base["tokens"]
+                    per.setdefault(f"candidate:{cand}", []).append(out)
+                bar.update()
+
+    # transformers' assisted generation, with the best draft it can use.
+    model = service.engine.model
+    int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+    with tqdm(total=total, desc="spec: HF assisted generation", unit="prompt") as bar:
+        for name, prompts in workloads.items():
+            for ids in prompts:
+                results[name].setdefault("hf_prompt_lookup", []).append(
+                    _hf_generate(model, ids, max_tokens, prompt_lookup_num_tokens=5)
+                )
+                results[name].setdefault("hf_int8_assistant", []).append(
+                    _hf_generate(model, ids, max_tokens, assistant_model=int8)
+                )
+                bar.update()
+
+    def block(runs: dict[str, list[dict]]) -> dict:
+        target = _rate(runs["target"])
+        ours = _rate(runs["ours"])
+        hf = {k: _rate(v) for k, v in runs.items() if k.startswith("hf_")}
+        best_hf = max(hf.values())
+        proposed = sum(r["proposed"] for r in runs["ours"])
+        accepted = sum(r["accepted"] for r in runs["ours"])
+        out = {
+            "speedup_vs_target": round(ours / target, 3),
+            "speedup_vs_hf_assisted": round(ours / best_hf, 3),
+            "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+            "tokens_per_s": {"target": round(target, 2), "ours": round(ours, 2), **{k: round(v, 2) for k, v in hf.items()}},
+            "itl_ms": {
+                "target": summary([x for r in runs["target"] for x in r["itl_ms"]]),
+                "ours": summary([x for r in runs["ours"] for x in r["itl_ms"]]),
+            },
+            "best_hf_variant": max(hf, key=hf.get),
+        }
+        cands = {k.split(":", 1)[1]: round(_rate(v) / target, 3) for k, v in runs.items() if k.startswith("candidate:")}
+        if cands:
+            out["candidates_speedup_vs_target"] = cands
+        return out
+
+    workloads_out = {name: block(runs) for name, runs in results.items()}
+    mixed_runs: dict[str, list[dict]] = {}
+    for runs in results.values():
+        for key, value in runs.items():
+            mixed_runs.setdefault(key, []).extend(value)
+    return {
+        "lossless": lossless,
+        "mixed": block(mixed_runs),
+        "workloads": workloads_out,
+        "config": {
+            "prompts_per_workload": requests,
+            "max_tokens": max_tokens,
+            "speculative": stage.speculative.model_dump(),
+            "verify_ms_by_tokens": [round(v.value, 1) for v in service.costs.verify],
+            "draft_ms_per_token": round(service.costs.draft_per_token.value, 2),
+        },
+    }

@@ -1,0 +1,188 @@
+"""Draft proposers: each proposes up to k next tokens for a request's context.
+
+One interface, three kinds:
+- `ModelDraft`: a small/cheap model run autoregressively over its own KV cache (any Engine:
+  llama.cpp on the target's own GGUF is the fast one here).
+- `NgramDraft`: prompt lookup. If the context's last n tokens occurred earlier, propose what
+  followed them. Free, and strong when the answer quotes the prompt (RAG, code edits).
+- `HintDraft`: the same lookup over a hint text (e.g. a semantic-cache near-miss answer).
+
+Deterministic proposers return `probs=None` (a point mass), which the verifier understands.
+Which drafter a round uses, and how many tokens, is decided in target/adaptive.py.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engines.base import Engine, Sequence
+from engines.sampling import probabilities
+from engines.types import SamplingParams
+
+
+@dataclass(slots=True)
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), vocab]; None = deterministic (point mass)
+    source: str = ""
+    marginal_ms: float = 0.0  # cost of drafting these tokens, without one-off catch-up (prompt prefill)
+
+
+class Proposer(ABC):
+    name: str = "proposer"
+    free: bool = False  # True for lookups that cost ~nothing (the planner asks them first)
+
+    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> Any:
+        """Per-request state (returned to the caller, passed back on every call)."""
+        return None
+
+    @abstractmethod
+    def propose(
+        self, state: Any, context: list[int], k: int, params: SamplingParams, rng: torch.Generator | None
+    ) -> Proposal:
+        """Up to k tokens that may follow `context` (prompt + every token emitted so far)."""
+
+    def end(self, state: Any) -> None:
+        """Free per-request resources."""
+
+
+# --------------------------------------------------------------------------- model draft
+
+
+@dataclass
+class _ModelState:
+    seq: Sequence
+    tokens: list[int] = field(default_factory=list)  # what the draft's KV cache holds
+
+
+class ModelDraft(Proposer):
+    name = "model"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> _ModelState:
+        return _ModelState(self.engine.new_sequence())
+
+    def propose(self, state: _ModelState, context: list[int], k: int, params, rng) -> Proposal:
+        if k <= 0:
+            return Proposal([], None, self.name)
+        engine = self.engine
+        # Keep what the draft's cache shares with the context (its rejected guesses go).
+        common = _common_prefix(state.tokens, context)
+        if common == len(context):
+            common -= 1  # re-feed the last token: we need the logits after it
+        engine.rollback(state.seq, common)
+        room = engine.max_model_len - common - 1
+        k = min(k, room - (len(context) - common))
+        if k <= 0:
+            return Proposal([], None, self.name)
+        catch_up = context[common:]
+        logits = engine.prefill(state.seq, catch_up)
+        start = time.perf_counter()
+        tokens: list[int] = []
+        dists: list[torch.Tensor] = []
+        for i in range(k):
+            if params.greedy:
+                token = int(torch.argmax(logits))
+            else:
+                q = probabilities(logits, params)
+                token = int(torch.multinomial(q, 1, generator=rng))
+                dists.append(q)
+            tokens.append(token)
+            if i < k - 1:
+                logits = engine.decode_step(state.seq, token)
+        state.tokens = list(context) + tokens[:-1]
+        # Each drafted token costs one draft forward pass: k-1 timed here, plus the catch-up
+        # pass, counted as one more of the same (a long catch-up is a one-off, not marginal).
+        per_token = (time.perf_counter() - start) * 1000 / max(1, len(tokens) - 1)
+        marginal = per_token * len(tokens) if len(tokens) > 1 else 0.0
+        return Proposal(tokens, torch.stack(dists) if dists else None, self.name, marginal)
+
+    def end(self, state: _ModelState) -> None:
+        self.engine.release(state.seq)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+# --------------------------------------------------------------------------- n-gram / prompt lookup
+
+
+class _NgramIndex:
+    """Last position after each n-gram (n in [min_n, max_n]) of a growing token list."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            # Index n-grams that END just before this token, mapping them to this position.
+            for n in range(self.min_n, self.max_n + 1):
+                if end - 1 - n >= 0:
+                    self.after[tuple(self.tokens[end - 1 - n : end - 1])] = end - 1
+
+    def lookup(self, suffix_source: list[int], k: int, exclude_tail: bool) -> list[int]:
+        """Longest n-gram suffix of `suffix_source` seen before -> the tokens that followed it."""
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(suffix_source) < n:
+                continue
+            pos = self.after.get(tuple(suffix_source[-n:]))
+            if pos is None:
+                continue
+            if exclude_tail and pos >= len(self.tokens):
+                continue
+            return self.tokens[pos : pos + k]
+        return []
+
+
+class NgramDraft(Proposer):
+    name = "ngram"
+    free = True
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> _NgramIndex:
+        return _NgramIndex(self.min_n, self.max_n)
+
+    def propose(self, state: _NgramIndex, context: list[int], k: int, params, rng) -> Proposal:
+        # Index the context except its last n tokens' own occurrence, then look the suffix up.
+        state.extend(context[len(state.tokens) :])
+        return Proposal(state.lookup(context, k, exclude_tail=True) if k > 0 else [], None, self.name)
+
+
+class HintDraft(Proposer):
+    """Prompt lookup over a hint (a near-miss cached answer), not over the context."""
+
+    name = "hint"
+    free = True
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> _NgramIndex | None:
+        if not hint_ids:
+            return None
+        index = _NgramIndex(self.min_n, self.max_n)
+        index.extend(list(hint_ids))
+        return index
+
+    def propose(self, state: _NgramIndex | None, context: list[int], k: int, params, rng) -> Proposal:
+        if state is None or k <= 0:
+            return Proposal([], None, self.name)
+        return Proposal(state.lookup(context, k, exclude_tail=False), None, self.name)

@@ -1,0 +1,151 @@
+"""llama.cpp engine over the GGUF file itself (llama-cpp-python).
+
+The shipped fp32 target *is* the dequantized Q4_1 GGUF, so llama.cpp computes nearly the same
+function ~5x faster on this CPU: the ideal draft, and a fast small-model engine.
+
+One llama.cpp context holds one sequence's KV cache, so the engine keeps a small pool of
+contexts (the weights are mmap'd once and shared). A sequence binds to a context when it runs;
+if another sequence took that context meanwhile, it re-evaluates its tokens (always correct,
+only slower). A released context keeps its KV, so a new sequence that shares a prefix with it
+skips that part of the prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from configs.schemas import EngineConfig
+from engines.base import Engine, Sequence
+from engines.model_store import package_dir, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _SeqState:
+    tokens: list[int] = field(default_factory=list)  # what this sequence logically holds
+    slot: int | None = None
+
+
+class LlamaCppEngine(Engine):
+    def __init__(self, config: EngineConfig) -> None:
+        from llama_cpp import Llama
+        from transformers import AutoTokenizer
+
+        start = time.monotonic()
+        source = config.source
+        if not (source.package and source.gguf_file):
+            raise ValueError("the llama_cpp engine needs a GGUF source (package + gguf_file)")
+        gguf = str(package_dir(source.package) / source.gguf_file)
+        self.model_id = config.model_id
+        # The HF tokenizer converted from the same GGUF: same ids, and it detokenizes for streaming.
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(source, config.cache_dir))
+        self.max_model_len = config.max_model_len
+        self._slots = [
+            Llama(
+                model_path=gguf,
+                n_ctx=config.max_model_len,
+                n_batch=256,
+                n_threads=config.num_threads,
+                n_threads_batch=config.num_threads,
+                logits_all=False,
+                use_mmap=True,
+                verbose=False,
+            )
+            for _ in range(config.max_sequences)
+        ]
+        self._n_vocab = self._slots[0].n_vocab()
+        self._owner: list[_SeqState | None] = [None] * len(self._slots)
+        self._last_used = [0.0] * len(self._slots)
+        eos = self._slots[0].token_eos()
+        self.eos_token_ids = frozenset({eos} | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
+        self.load_seconds = time.monotonic() - start
+        log.info("%s (llama.cpp, %d contexts) loaded in %.1f s", self.model_id, len(self._slots), self.load_seconds)
+
+    # ------------------------------------------------------------------ Engine
+
+    def new_sequence(self) -> Sequence:
+        return Sequence(_SeqState())
+
+    def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        state: _SeqState = seq.kv
+        self._check_room(state, len(token_ids))
+        state.tokens.extend(token_ids)
+        seq.length = len(state.tokens)
+        return self._eval_pending(state)
+
+    def score(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        # Logits at every position would need logits_all (n_ctx x vocab floats per context);
+        # the draft never needs them, so score one token at a time.
+        rows = [self.prefill(seq, [t]) for t in token_ids]
+        return torch.stack(rows)
+
+    def rollback(self, seq: Sequence, length: int) -> None:
+        state: _SeqState = seq.kv
+        if length < len(state.tokens):
+            del state.tokens[length:]
+            seq.length = length
+            if state.slot is not None and self._owner[state.slot] is state:
+                llm = self._slots[state.slot]
+                llm.n_tokens = min(llm.n_tokens, length)  # eval() trims the KV past n_tokens
+
+    def release(self, seq: Sequence | None) -> None:
+        if seq is None:
+            return
+        state: _SeqState = seq.kv
+        if state.slot is not None and self._owner[state.slot] is state:
+            self._owner[state.slot] = None  # its KV stays: a later prompt may share the prefix
+        state.slot = None
+
+    # ------------------------------------------------------------------ contexts
+
+    def _check_room(self, state: _SeqState, extra: int) -> None:
+        if len(state.tokens) + extra > self.max_model_len:
+            raise ValueError(f"sequence would exceed max_model_len={self.max_model_len}")
+
+    def _bind(self, state: _SeqState):
+        if state.slot is not None and self._owner[state.slot] is state:
+            slot = state.slot
+        else:
+            slot = self._pick_slot(state)
+            previous = self._owner[slot]
+            if previous is not None:
+                previous.slot = None  # it will recompute when it runs again
+            self._owner[slot] = state
+            state.slot = slot
+            llm = self._slots[slot]
+            # Whatever this context still holds is valid up to the common prefix.
+            held = llm.input_ids[: llm.n_tokens].tolist()
+            common = 0
+            limit = min(len(held), len(state.tokens))
+            while common < limit and held[common] == state.tokens[common]:
+                common += 1
+            llm.n_tokens = common
+        self._last_used[slot] = time.monotonic()
+        return self._slots[slot]
+
+    def _pick_slot(self, state: _SeqState) -> int:
+        free = [i for i, owner in enumerate(self._owner) if owner is None]
+        candidates = free or list(range(len(self._slots)))
+        best, best_common = candidates[0], -1
+        for i in candidates:  # prefer the context sharing the longest prefix, then the LRU one
+            llm = self._slots[i]
+            held = llm.input_ids[: llm.n_tokens]
+            n = min(len(held), len(state.tokens))
+            common = int(np.argmin(np.append(held[:n] == np.asarray(state.tokens[:n]), False)))
+            if common > best_common or (common == best_common and self._last_used[i] < self._last_used[best]):
+                best, best_common = i, common
+        return best
+
+    def _eval_pending(self, state: _SeqState) -> torch.Tensor:
+        llm = self._bind(state)
+        if llm.n_tokens >= len(state.tokens):
+            llm.n_tokens = len(state.tokens) - 1  # re-run the last token to get its logits
+        llm.eval(state.tokens[llm.n_tokens :])
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(self._n_vocab,))
+        return torch.from_numpy(logits.copy())

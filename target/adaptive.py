@@ -1,0 +1,148 @@
+"""Choose, per round, which drafter to use and how many tokens k to draft.
+
+With per-token acceptance a and k drafts, a verify round yields on average
+    E(k) = (1 - a^(k+1)) / (1 - a)      tokens (the accepted drafts plus one target token)
+and costs  T(k) = k * d + v(k+1)        (d: draft cost per token, v(m): verifying m tokens).
+Plain decoding yields 1 token per v(1). Each round we take the (drafter, k) with the best
+E(k)/T(k): prompt lookup is free (d = 0) but only sometimes has a match; the draft model costs
+d per token but always has a guess. When no plan beats plain decoding, k = 0, with a small
+probe now and then to notice when drafts get good again.
+
+Acceptance is estimated per drafter as accepted / (accepted + rejections): drafts are accepted
+as a prefix, so `accepted / proposed` would read a = 0.9 at k = 8 as about 0.64.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class Ema:
+    def __init__(self, value: float, weight: float = 0.2) -> None:
+        self.value = value
+        self.weight = weight
+
+    def update(self, sample: float) -> None:
+        self.value += self.weight * (sample - self.value)
+
+
+class Acceptance:
+    """Per-token acceptance from prefix-accept trials, with exponential forgetting."""
+
+    def __init__(self, prior: float, prior_weight: float = 4.0, decay: float = 0.9) -> None:
+        self.accepted = prior * prior_weight
+        self.trials = prior_weight
+        self.decay = decay
+
+    @property
+    def value(self) -> float:
+        return self.accepted / self.trials
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        rejected = 1 if accepted < proposed else 0
+        self.accepted = self.accepted * self.decay + accepted
+        self.trials = self.trials * self.decay + accepted + rejected
+
+
+class CostModel:
+    """Replica-wide: what verifying m tokens and drafting one token cost here, and how well
+    each drafter has been doing (the prior for new requests)."""
+
+    def __init__(self, k_max: int, verify_ms: list[float], draft_ms_per_token: float, prior_acceptance: float) -> None:
+        assert len(verify_ms) >= k_max + 1
+        self.k_max = k_max
+        self.verify = [Ema(ms) for ms in verify_ms[: k_max + 1]]  # index m-1
+        self.draft_per_token = Ema(draft_ms_per_token)
+        self.prior_acceptance = prior_acceptance
+        self.acceptance: dict[str, Acceptance] = {}
+
+    @classmethod
+    def calibrate(cls, score_fn, k_max: int, draft_ms_per_token: float, prior_acceptance: float, reps: int = 3):
+        """Time `score_fn(m)` (a forward pass over m tokens) for m = 1..k_max+1."""
+        measured = []
+        for m in range(1, k_max + 2):
+            samples = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                score_fn(m)
+                samples.append((time.perf_counter() - start) * 1000)
+            measured.append(sorted(samples)[len(samples) // 2])
+        for i in range(1, len(measured)):  # verifying more tokens never costs less: smooth timer noise
+            measured[i] = max(measured[i], measured[i - 1])
+        return cls(k_max, measured, draft_ms_per_token, prior_acceptance)
+
+    def verify_ms(self, m: int) -> float:
+        return self.verify[min(m, len(self.verify)) - 1].value
+
+    def observe_verify(self, m: int, ms: float) -> None:
+        self.verify[min(m, len(self.verify)) - 1].update(ms)
+
+    def replica_acceptance(self, source: str) -> Acceptance:
+        if source not in self.acceptance:
+            self.acceptance[source] = Acceptance(self.prior_acceptance, prior_weight=4.0, decay=0.98)
+        return self.acceptance[source]
+
+
+class KChooser:
+    """Per request: its own acceptance per drafter; the replica's costs."""
+
+    PROBE_EVERY = 8  # plain rounds between probes once speculation was switched off
+    PROBE_K = 2
+
+    def __init__(self, costs: CostModel, enabled: bool = True, fixed_k: int | None = None) -> None:
+        self.costs = costs
+        self.enabled = enabled
+        self.fixed_k = fixed_k
+        self._acceptance: dict[str, Acceptance] = {}
+        self._plain_rounds = 0
+        self.rounds = 0
+        self.proposed = 0
+        self.accepted = 0
+
+    def acceptance(self, source: str) -> float:
+        if source not in self._acceptance:
+            prior = self.costs.replica_acceptance(source).value
+            self._acceptance[source] = Acceptance(prior, prior_weight=2.0, decay=0.8)
+        return self._acceptance[source].value
+
+    def plain_rate(self) -> float:
+        return 1.0 / self.costs.verify_ms(1)
+
+    def plan(self, source: str, cap: int, free: bool) -> tuple[int, float]:
+        """Best k (<= cap) for this drafter and its expected tokens per ms; (0, plain) if none pays."""
+        if not self.enabled or cap <= 0:
+            return 0, self.plain_rate()
+        cap = min(cap, self.costs.k_max)
+        if self.fixed_k is not None:
+            k = min(self.fixed_k, cap)
+            return k, float("inf")
+        a = min(max(self.acceptance(source), 1e-3), 0.999)
+        d = 0.0 if free else self.costs.draft_per_token.value
+        best_k, best_rate = 0, self.plain_rate()
+        for k in range(1, cap + 1):
+            rate = ((1 - a ** (k + 1)) / (1 - a)) / (k * d + self.costs.verify_ms(k + 1))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    def should_probe(self) -> bool:
+        """Called when no plan beats plain decoding: probe once every PROBE_EVERY such rounds."""
+        self._plain_rounds += 1
+        if self._plain_rounds >= self.PROBE_EVERY:
+            self._plain_rounds = 0
+            return True
+        return False
+
+    def observe(self, source: str, proposed: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        if proposed <= 0:
+            return
+        self._plain_rounds = 0
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.acceptance(source)
+        self._acceptance[source].observe(proposed, accepted)
+        self.costs.replica_acceptance(source).observe(proposed, accepted)
+        self.costs.observe_verify(proposed + 1, verify_ms)
+        if draft_ms > 0:  # free drafters report 0: they must not drag the model draft's cost down
+            self.costs.draft_per_token.update(draft_ms / proposed)

@@ -1,0 +1,191 @@
+"""One request's decode loop as a step-wise state machine, with optional speculation.
+
+`Generation.prefill()` and `Generation.step()` each run one target forward pass and return a
+chunk. The async service calls them one at a time on the engine's worker thread, so between
+two forward passes the request can be cancelled, and requests interleave fairly.
+
+A step is either a plain decode (one token) or a speculative round:
+    draft proposes k tokens -> target scores [last, d1..dk] in ONE forward pass
+    -> verify (greedy match / rejection sampling) -> roll the KV back past rejected drafts
+    -> emit the accepted drafts plus one target token.
+The emitted tokens are exactly what target-alone decoding would produce (greedy), or
+distributed exactly like it (sampling).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from draft.proposers import Proposer
+from engines.base import Engine
+from engines.detokenizer import IncrementalDetokenizer
+from engines.sampling import make_generator, sample
+from engines.types import GenerateChunk, GenerateRequest
+from target.adaptive import KChooser
+from target.verify import verify
+
+
+@dataclass
+class Speculation:
+    """What a request needs to speculate: its drafters (+ per-request state) and a k chooser."""
+
+    proposers: list[Proposer]
+    chooser: KChooser
+    states: list[Any] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [proposed, accepted]
+
+
+class Generation:
+    def __init__(self, engine: Engine, request: GenerateRequest, speculation: Speculation | None = None) -> None:
+        self.engine = engine
+        self.request = request
+        self.params = request.sampling
+        self.seq = engine.new_sequence()
+        self.detok = IncrementalDetokenizer(engine.tokenizer, self.params.stop)
+        self.rng = make_generator(self.params)
+        self.spec = speculation
+        self.tokens: list[int] = list(request.prompt_token_ids)  # prompt + emitted tokens
+        self.completion_tokens = 0
+        self.finished = False
+        self._last: int | None = None  # emitted but not yet in the target's KV cache
+        # A request may not outgrow the context window, whatever max_tokens says.
+        room = engine.max_model_len - len(request.prompt_token_ids)
+        self.max_tokens = min(self.params.max_tokens, room)
+        if self.spec is not None:
+            self.spec.states = [p.begin(request.prompt_token_ids, request.draft_hint_ids) for p in self.spec.proposers]
+
+    # ------------------------------------------------------------------ steps
+
+    def prefill(self) -> GenerateChunk:
+        start = time.perf_counter()
+        logits = self.engine.prefill(self.seq, self.request.prompt_token_ids)
+        chunk = self._emit([sample(logits, self.params, self.rng)])
+        chunk.timings_ms["prefill"] = (time.perf_counter() - start) * 1000
+        return chunk
+
+    def step(self) -> GenerateChunk:
+        assert not self.finished and self._last is not None
+        if self.spec is not None:
+            chunk = self._speculative_round()
+            if chunk is not None:
+                return chunk
+        logits = self.engine.decode_step(self.seq, self._last)
+        return self._emit([sample(logits, self.params, self.rng)])
+
+    def _speculative_round(self) -> GenerateChunk | None:
+        """Draft, verify in one pass, roll back, emit. None when a plain step is the better bet."""
+        spec = self.spec
+        assert spec is not None and self._last is not None
+        # Never draft past the output budget or the context window.
+        cap = min(self.max_tokens - self.completion_tokens - 1, self.engine.max_model_len - self.seq.length - 2)
+        if cap <= 0:
+            return None
+        t0 = time.perf_counter()
+        chosen = self._choose_draft(cap)
+        if chosen is None:
+            return None
+        proposer, state, k, proposal = chosen
+        if proposal is None:
+            proposal = proposer.propose(state, self.tokens, k, self.params, self.rng)
+        t1 = time.perf_counter()
+        if not proposal.tokens:
+            return None
+        base = self.seq.length
+        logits = self.engine.score(self.seq, [self._last, *proposal.tokens])
+        verdict = verify(logits, proposal.tokens, proposal.probs, self.params, self.rng)
+        # Keep `last` and the accepted drafts in the KV; the new target token is pending.
+        self.engine.rollback(self.seq, base + 1 + len(verdict.accepted))
+        t2 = time.perf_counter()
+        spec.draft_ms += (t1 - t0) * 1000
+        spec.verify_ms += (t2 - t1) * 1000
+        spec.chooser.observe(
+            proposer.name, len(proposal.tokens), len(verdict.accepted), proposal.marginal_ms, (t2 - t1) * 1000
+        )
+        counts = spec.by_source.setdefault(proposer.name, [0, 0])
+        counts[0] += len(proposal.tokens)
+        counts[1] += len(verdict.accepted)
+        return self._emit([*verdict.accepted, verdict.next_token])
+
+    def _choose_draft(self, cap: int):
+        """The (drafter, state, k, proposal-or-None) with the best expected tokens per ms."""
+        chooser = self.spec.chooser
+        best, best_rate, probe = None, chooser.plain_rate(), None
+        for proposer, state in zip(self.spec.proposers, self.spec.states):
+            proposal = None
+            if proposer.free:  # a lookup costs nothing: see what it has before planning
+                proposal = proposer.propose(state, self.tokens, cap, self.params, self.rng)
+                if not proposal.tokens:
+                    continue
+                k, rate = chooser.plan(proposer.name, len(proposal.tokens), free=True)
+            else:
+                k, rate = chooser.plan(proposer.name, cap, free=False)
+            probe = probe or (proposer, state, proposal)
+            if k > 0 and rate > best_rate:
+                best, best_rate = (proposer, state, k, proposal), rate
+        if best is None:  # plain decoding wins; probe now and then
+            if probe is None or not chooser.should_probe():
+                return None
+            best = (probe[0], probe[1], min(chooser.PROBE_K, cap), probe[2])
+        proposer, state, k, proposal = best
+        if proposal is not None:
+            proposal.tokens = proposal.tokens[:k]
+        return proposer, state, k, proposal
+
+    def abort(self) -> None:
+        """The request was cancelled: free the KV cache and the draft's state."""
+        if not self.finished:
+            self.finished = True
+            self.engine.release(self.seq)
+            self.seq = None
+            if self.spec is not None:
+                for proposer, state in zip(self.spec.proposers, self.spec.states):
+                    proposer.end(state)
+
+    # ------------------------------------------------------------------ output
+
+    def _emit(self, tokens: list[int]) -> GenerateChunk:
+        """Emit tokens in order, stopping at EOS, a stop string or the length limit."""
+        parts: list[str] = []
+        emitted = 0
+        for token in tokens:
+            if token in self.engine.eos_token_ids:
+                return self._finish(parts, emitted, "stop")
+            self.completion_tokens += 1
+            emitted += 1
+            self.tokens.append(token)
+            self._last = token
+            parts.append(self.detok.add(token))
+            if self.detok.stopped:
+                return self._finish(parts, emitted, "stop")
+            if self.completion_tokens >= self.max_tokens:
+                return self._finish(parts, emitted, "length")
+        return GenerateChunk(text="".join(parts), num_tokens=emitted)
+
+    def _finish(self, parts: list[str], emitted: int, reason: str) -> GenerateChunk:
+        self.finished = True
+        self.engine.release(self.seq)
+        self.seq = None  # free the KV cache now, not when the caller drops us
+        timings: dict[str, float] = {}
+        if self.spec is not None:
+            for proposer, state in zip(self.spec.proposers, self.spec.states):
+                proposer.end(state)
+            c = self.spec.chooser
+            timings = {
+                "spec_rounds": float(c.rounds),
+                "spec_proposed": float(c.proposed),
+                "spec_accepted": float(c.accepted),
+                "spec_draft": self.spec.draft_ms,
+                "spec_verify": self.spec.verify_ms,
+            }
+        return GenerateChunk(
+            text="".join(parts) + self.detok.flush(),
+            num_tokens=emitted,
+            finish_reason=reason,  # type: ignore[arg-type]
+            prompt_tokens=len(self.request.prompt_token_ids),
+            completion_tokens=self.completion_tokens,
+            timings_ms=timings,
+        )

@@ -1,0 +1,69 @@
+"""Remote draft placement: the target drafts through the DraftModel deployment (one hop per
+round) and still produces exactly the co-located service's greedy output."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.test_serving import NO_CACHE, TARGET
+
+PROMPTS = [
+    "Fix the bug and return the full code:\n\ndef mul(a, b):\n    return a + b\n",
+    "What is the capital of France?",
+]
+
+
+@pytest.fixture(scope="module")
+def remote_app(service):
+    from ray import serve
+
+    from deployments.app import build_graph
+
+    args = service.config.args.model_copy(deep=True)
+    args.target.speculative.method = "draft_model"
+    args.target.speculative.placement = "remote"
+    args.target.speculative.draft_engine = None
+    serve.run(
+        build_graph(args, service.config.deployment_options),
+        name="remote",
+        route_prefix="/remote",
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(service.base_url + "/remote/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    yield service.base_url + "/remote"
+    serve.delete("remote")
+
+
+def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
+    from openai import OpenAI
+    from ray import serve
+
+    local = service.openai()
+    remote = OpenAI(base_url=remote_app + "/v1", api_key="sk-test", max_retries=0)
+    for prompt in PROMPTS:
+        kwargs = dict(
+            model=TARGET,
+            messages=[{"role": "user", "content": prompt}],
+            temperature=0,
+            max_tokens=40,
+            extra_headers=NO_CACHE,
+        )
+        expected = local.chat.completions.create(**kwargs).choices[0].message.content
+        streamed = "".join(
+            c.choices[0].delta.content or "" for c in remote.chat.completions.create(stream=True, **kwargs) if c.choices
+        )
+        assert streamed == expected
+    target_stats = serve.get_deployment_handle("TargetModel", app_name="remote").stats.remote().result(timeout_s=30)
+    draft_stats = serve.get_deployment_handle("DraftModel", app_name="remote").stats.remote().result(timeout_s=30)
+    assert target_stats["draft_tokens_proposed"] > 0, "the remote draft was never used"
+    assert target_stats["draft_tokens_accepted"] > 0
+    assert draft_stats["draft_sessions_recomputed"] >= len(PROMPTS)  # one session per request

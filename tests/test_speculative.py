@@ -1,0 +1,159 @@
+"""Speculative decoding on the real model: lossless greedy output, rollback, adaptive k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.workloads import conversations
+from configs.schemas import EngineConfig, ModelStageConfig, SpeculativeConfig
+from draft.proposers import ModelDraft, NgramDraft
+from draft.remote import DraftSessions
+from engines.types import GenerateRequest, SamplingParams
+from target.adaptive import CostModel, KChooser
+from target.decoding import Generation, Speculation
+
+
+def _llama_config(serve_file) -> EngineConfig:
+    return serve_file.args.target.speculative.draft_engine
+
+
+@pytest.fixture(scope="module")
+def spec_service(serve_file):
+    from engines.service import ModelService
+
+    stage = ModelStageConfig(
+        engine=serve_file.args.target.engine,
+        speculative=SpeculativeConfig(method="ngram+draft_model", draft_engine=_llama_config(serve_file)),
+    )
+    return ModelService(stage)
+
+
+def _chat_ids(tokenizer, conv) -> list[int]:
+    text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _decode(service, ids, params, speculation) -> tuple[list[int], str]:
+    gen = Generation(service.engine, GenerateRequest("t", ids, params), speculation)
+    chunks = [gen.prefill()]
+    while not gen.finished:
+        chunks.append(gen.step())
+    return gen.tokens[len(ids) :], "".join(c.text for c in chunks)
+
+
+def _all_prompts():
+    return [conv for convs in conversations().values() for conv in convs]
+
+
+def test_greedy_speculation_is_token_identical_on_many_prompts(spec_service):
+    tok = spec_service.engine.tokenizer
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    proposed = accepted = 0
+    for conv in _all_prompts():
+        ids = _chat_ids(tok, conv)
+        plain, _ = _decode(spec_service, ids, params, None)
+        spec = spec_service._speculation()
+        fast, _ = _decode(spec_service, ids, params, spec)
+        assert fast == plain, conv[-1]["content"][:60]
+        proposed += spec.chooser.proposed
+        accepted += spec.chooser.accepted
+    assert proposed > 0 and accepted > 0, "speculation never ran: the test would prove nothing"
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_fixed_k_and_each_proposer_stay_lossless(spec_service, k):
+    tok = spec_service.engine.tokenizer
+    params = SamplingParams(max_tokens=32, temperature=0.0, stop=("\n\n",))
+    ids = _chat_ids(tok, conversations()["code_edit"][0])
+    plain, plain_text = _decode(spec_service, ids, params, None)
+    for proposer in (ModelDraft(spec_service.draft_engine), NgramDraft()):
+        spec = Speculation([proposer], KChooser(spec_service.costs, fixed_k=k))
+        fast, text = _decode(spec_service, ids, params, spec)
+        assert fast == plain and text == plain_text, f"{proposer.name} k={k}"
+
+
+def test_sampled_speculation_respects_limits(spec_service):
+    tok = spec_service.engine.tokenizer
+    ids = _chat_ids(tok, conversations()["chat"][0])
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95)
+    spec = spec_service._speculation()
+    tokens, text = _decode(spec_service, ids, params, spec)
+    assert 0 < len(tokens) <= 20 and text.strip()
+    assert spec.chooser.proposed > 0
+
+
+def test_seeded_sampling_decodes_without_speculation(spec_service):
+    request = GenerateRequest("t", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.7, seed=3))
+    assert spec_service._speculation(request) is None
+    greedy = GenerateRequest("t", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, seed=3))
+    assert spec_service._speculation(greedy) is not None
+
+
+def test_llama_engine_score_rollback_and_context_stealing(spec_service):
+    draft = spec_service.draft_engine
+    ids = _chat_ids(spec_service.engine.tokenizer, conversations()["chat"][1])
+    a = draft.new_sequence()
+    first = draft.prefill(a, ids)
+    nxt = int(torch.argmax(first))
+    scored = draft.score(a, [nxt, 100, 200])
+    draft.rollback(a, len(ids))
+    again = draft.decode_step(a, nxt)
+    assert torch.allclose(again, scored[0], atol=1e-4)
+    # Other sequences take every context; `a` must recompute and still be right.
+    others = [draft.new_sequence() for _ in range(draft_contexts(draft) + 1)]
+    for i, seq in enumerate(others):
+        draft.prefill(seq, [1, 2, 3, 4 + i])
+    draft.rollback(a, len(ids))
+    assert torch.allclose(draft.decode_step(a, nxt), scored[0], atol=1e-4)
+    for seq in [a, *others]:
+        draft.release(seq)
+
+
+def draft_contexts(engine) -> int:
+    return len(engine._slots)
+
+
+def test_draft_sessions_recompute_when_state_is_missing(spec_service):
+    sessions = DraftSessions(spec_service.draft_engine, max_sessions=1)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    ids = _chat_ids(spec_service.engine.tokenizer, conversations()["chat"][2])
+    first = sessions.propose("a", ids, 4, params, seed=0).tokens
+    sessions.propose("b", ids[:-3], 2, params, seed=0)  # evicts "a"
+    assert sessions.propose("a", ids, 4, params, seed=0).tokens == first
+    assert sessions.recomputed == 3
+
+
+def _costs() -> CostModel:
+    return CostModel(8, [30, 33, 36, 44, 48, 53, 57, 60, 63], draft_ms_per_token=8.0, prior_acceptance=0.7)
+
+
+def test_adaptive_k_turns_speculation_off_when_drafts_fail_and_on_when_they_pass():
+    good = KChooser(_costs())
+    for _ in range(10):
+        good.observe("model", 8, 8, 64.0, 63.0)
+    k, rate = good.plan("model", 64, free=False)
+    assert k >= 6 and rate > good.plain_rate()
+    bad = KChooser(_costs())
+    for _ in range(10):
+        bad.observe("model", 4, 0, 32.0, 44.0)
+    assert bad.plan("model", 64, free=False)[0] == 0
+    probes = [bad.should_probe() for _ in range(KChooser.PROBE_EVERY)]
+    assert probes == [False] * (KChooser.PROBE_EVERY - 1) + [True], "it probes now and then"
+    assert KChooser(_costs()).plan("model", 0, free=False)[0] == 0, "no room, no drafts"
+
+
+def test_acceptance_is_estimated_per_token_not_per_proposal():
+    chooser = KChooser(_costs())
+    for _ in range(50):  # true per-token acceptance 0.9 at k=8: a prefix of ~5 of 8 accepted
+        chooser.observe("model", 8, 5, 64.0, 63.0)
+    assert 0.8 < chooser.acceptance("model") < 0.9  # accepted/proposed would say 0.625
+
+
+def test_free_drafts_are_worth_verifying_at_lower_acceptance_than_costly_ones():
+    chooser = KChooser(_costs())
+    for source in ("ngram", "model"):
+        for _ in range(20):
+            chooser.observe(source, 4, 1, 0.0 if source == "ngram" else 80.0, 44.0)  # model: 20 ms/token
+    assert chooser.plan("ngram", 4, free=True)[0] > 0
+    assert chooser.plan("model", 8, free=False)[0] == 0
