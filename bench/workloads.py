@@ -45,12 +45,12 @@ CHAT = [
     "Write a short friendly email inviting a colleague to lunch.",
 ]
 
-# Drafts mostly fail here: the prompts are full of repeated n-grams that lead prompt lookup
-# astray, and the requested output is high-entropy, where near-ties make draft and target diverge.
+# Drafts mostly fail here: random, non-repeating output defeats prompt lookup (measured:
+# 0-27% of its guesses accepted), and near-ties are where a quantized draft disagrees most.
 ADVERSARIAL = [
-    "a b c a b d a b e a b f a b g. Now write a list of ten random made-up words, none of them above.",
-    "Repeat after me: 1 2 3 1 2 4 1 2 5. Then continue with a random sequence of 40 digits and letters.",
-    "x y z x y z x y z. Write a nonsense poem with invented words that never repeat.",
+    "Output a random sequence of 40 lowercase letters with no spaces.",
+    "List 20 random integers between 1000 and 9999.",
+    "Translate 'good morning, how are you' into ten different languages.",
 ]
 
 

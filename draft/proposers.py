@@ -50,6 +50,10 @@ class Proposer(ABC):
     def end(self, state: Any) -> None:
         """Free per-request resources."""
 
+    def catch_up(self, state: Any, context: list[int]) -> int:
+        """Context tokens this drafter would have to ingest before it can propose."""
+        return 0
+
 
 # --------------------------------------------------------------------------- model draft
 
@@ -103,6 +107,9 @@ class ModelDraft(Proposer):
         per_token = (time.perf_counter() - start) * 1000 / max(1, len(tokens) - 1)
         marginal = per_token * len(tokens) if len(tokens) > 1 else 0.0
         return Proposal(tokens, torch.stack(dists) if dists else None, self.name, marginal)
+
+    def catch_up(self, state: _ModelState, context: list[int]) -> int:
+        return len(context) - _common_prefix(state.tokens, context)
 
     def end(self, state: _ModelState) -> None:
         self.engine.release(state.seq)

@@ -89,9 +89,12 @@ class ModelService:
             self.engine.rollback(seq, base)
 
         draft_ms = 0.05  # n-gram / hint lookups are practically free
+        prefill_ms = 0.0
         if self.draft_engine is not None:
             dseq = self.draft_engine.new_sequence()
+            t = time.perf_counter()
             self.draft_engine.prefill(dseq, ids)
+            prefill_ms = (time.perf_counter() - t) * 1000 / len(ids)
             samples = []
             for token in ids[:8]:
                 t = time.perf_counter()
@@ -99,13 +102,14 @@ class ModelService:
                 samples.append((time.perf_counter() - t) * 1000)
             self.draft_engine.release(dseq)
             draft_ms = sorted(samples)[len(samples) // 2]
-        costs = CostModel.calibrate(score, spec.k_max, draft_ms, spec.prior_acceptance)
+        costs = CostModel.calibrate(score, spec.k_max, draft_ms, spec.prior_acceptance, prefill_ms)
         self.engine.release(seq)
         log.info(
-            "%s speculation: verify ms by tokens %s, draft %.1f ms/token",
+            "%s speculation: verify ms by tokens %s, draft %.1f ms/token, draft prefill %.1f ms/token",
             self.config.engine.model_id,
             [round(v.value, 1) for v in costs.verify],
             draft_ms,
+            prefill_ms,
         )
         return costs
 

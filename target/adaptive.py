@@ -48,28 +48,53 @@ class CostModel:
     """Replica-wide: what verifying m tokens and drafting one token cost here, and how well
     each drafter has been doing (the prior for new requests)."""
 
-    def __init__(self, k_max: int, verify_ms: list[float], draft_ms_per_token: float, prior_acceptance: float) -> None:
+    def __init__(
+        self,
+        k_max: int,
+        verify_ms: list[float],
+        draft_ms_per_token: float,
+        prior_acceptance: float,
+        draft_prefill_ms_per_token: float = 0.0,
+    ) -> None:
         assert len(verify_ms) >= k_max + 1
         self.k_max = k_max
-        self.verify = [Ema(ms) for ms in verify_ms[: k_max + 1]]  # index m-1
+        self.verify = [Ema(ms, weight=0.1) for ms in verify_ms[: k_max + 1]]  # index m-1
         self.draft_per_token = Ema(draft_ms_per_token)
+        self.draft_prefill_per_token = draft_prefill_ms_per_token  # a draft catching up on context
         self.prior_acceptance = prior_acceptance
         self.acceptance: dict[str, Acceptance] = {}
 
     @classmethod
-    def calibrate(cls, score_fn, k_max: int, draft_ms_per_token: float, prior_acceptance: float, reps: int = 3):
-        """Time `score_fn(m)` (a forward pass over m tokens) for m = 1..k_max+1."""
-        measured = []
-        for m in range(1, k_max + 2):
+    def calibrate(
+        cls,
+        score_fn,
+        k_max: int,
+        draft_ms_per_token: float,
+        prior_acceptance: float,
+        draft_prefill_ms_per_token: float = 0.0,
+        reps: int = 5,
+    ):
+        """Time `score_fn(m)` (a forward pass over m tokens) for m = 1..k_max+1.
+
+        Takes the fastest of `reps` runs (interference only ever adds time) and fits a line
+        v(m) = a + b*m: a forward pass costs a fixed part plus a per-token part, and a fit
+        keeps one noisy sample from mis-pricing a whole range of k.
+        """
+        ms = list(range(1, k_max + 2))
+        best = []
+        for m in ms:
             samples = []
             for _ in range(reps):
                 start = time.perf_counter()
                 score_fn(m)
                 samples.append((time.perf_counter() - start) * 1000)
-            measured.append(sorted(samples)[len(samples) // 2])
-        for i in range(1, len(measured)):  # verifying more tokens never costs less: smooth timer noise
-            measured[i] = max(measured[i], measured[i - 1])
-        return cls(k_max, measured, draft_ms_per_token, prior_acceptance)
+            best.append(min(samples))
+        n = len(ms)
+        mean_m, mean_v = sum(ms) / n, sum(best) / n
+        slope = sum((m - mean_m) * (v - mean_v) for m, v in zip(ms, best)) / sum((m - mean_m) ** 2 for m in ms)
+        slope = max(slope, 0.0)
+        fitted = [max(mean_v + slope * (m - mean_m), best[0] * 0.5) for m in ms]
+        return cls(k_max, fitted, draft_ms_per_token, prior_acceptance, draft_prefill_ms_per_token)
 
     def verify_ms(self, m: int) -> float:
         return self.verify[min(m, len(self.verify)) - 1].value
@@ -108,8 +133,15 @@ class KChooser:
     def plain_rate(self) -> float:
         return 1.0 / self.costs.verify_ms(1)
 
-    def plan(self, source: str, cap: int, free: bool) -> tuple[int, float]:
-        """Best k (<= cap) for this drafter and its expected tokens per ms; (0, plain) if none pays."""
+    def plan(
+        self, source: str, cap: int, free: bool, catch_up_tokens: int = 0, remaining: int = 0
+    ) -> tuple[int, float]:
+        """Best k (<= cap) for this drafter and its expected tokens per ms; (0, plain) if none pays.
+
+        A model drafter that must first ingest `catch_up_tokens` of context (its prompt prefill)
+        pays that once: over the `remaining` output budget R its rate is
+        R / (catch_up_ms + R * T(k) / E(k)), so it only starts where the one-off cost pays back.
+        """
         if not self.enabled or cap <= 0:
             return 0, self.plain_rate()
         cap = min(cap, self.costs.k_max)
@@ -118,9 +150,13 @@ class KChooser:
             return k, float("inf")
         a = min(max(self.acceptance(source), 1e-3), 0.999)
         d = 0.0 if free else self.costs.draft_per_token.value
+        catch_up_ms = 0.0 if free else catch_up_tokens * self.costs.draft_prefill_per_token
+        horizon = max(1, remaining)
         best_k, best_rate = 0, self.plain_rate()
         for k in range(1, cap + 1):
-            rate = ((1 - a ** (k + 1)) / (1 - a)) / (k * d + self.costs.verify_ms(k + 1))
+            expected = (1 - a ** (k + 1)) / (1 - a)
+            round_ms = k * d + self.costs.verify_ms(k + 1)
+            rate = horizon / (catch_up_ms + horizon * round_ms / expected)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate

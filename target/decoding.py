@@ -122,7 +122,11 @@ class Generation:
                     continue
                 k, rate = chooser.plan(proposer.name, len(proposal.tokens), free=True)
             else:
-                k, rate = chooser.plan(proposer.name, cap, free=False)
+                remaining = self.max_tokens - self.completion_tokens
+                k, rate = chooser.plan(
+                    proposer.name, cap, free=False,
+                    catch_up_tokens=proposer.catch_up(state, self.tokens), remaining=remaining,
+                )
             probe = probe or (proposer, state, proposal)
             if k > 0 and rate > best_rate:
                 best, best_rate = (proposer, state, k, proposal), rate
