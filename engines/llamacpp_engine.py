@@ -102,6 +102,13 @@ class LlamaCppEngine(Engine):
             self._owner[state.slot] = None  # its KV stays: a later prompt may share the prefix
         state.slot = None
 
+    def forget_prefixes(self) -> None:
+        """Drop the KV every free context keeps for prefix reuse (benchmarks start cold)."""
+        for i, owner in enumerate(self._owner):
+            if owner is None:
+                self._slots[i].n_tokens = 0
+                self._slots[i].input_ids[:] = 0
+
     # ------------------------------------------------------------------ contexts
 
     def _check_room(self, state: _SeqState, extra: int) -> None:
