@@ -1,4 +1,5 @@
 """Suite `stack`: the engine called directly vs the whole graph, in one run, plus hop costs.
+Speculation is off on both sides here: this suite measures the framework, not decoding.
 
 Both sides decode the same prompts greedily with the same engine config. The engine side runs
 in this process (no Ray, no HTTP); the stack side goes through serve_config.yaml's graph with
@@ -105,6 +106,9 @@ def run(requests: int = 16, max_tokens: int = 32, hop_requests: int = 300, quick
     from bench.service import running_service
 
     serve_file = load_serve_config()
+    # This suite isolates framework cost: plain decoding on both sides (speculation streams
+    # tokens in bursts, which would blur per-token latency; the `spec` suite measures it).
+    serve_file.args.target.speculative.method = "none"
     target = serve_file.args.target.engine
     conversations = prompts(requests)
     # Warm-up conversation first on both sides, then the measured ones.
