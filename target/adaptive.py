@@ -113,12 +113,17 @@ class KChooser:
 
     PROBE_EVERY = 8  # plain rounds between probes once speculation was switched off
     PROBE_K = 2
+    OBSERVE_STEPS = 6  # steps to watch the free drafters before a model draft pays its catch-up
 
     def __init__(self, costs: CostModel, enabled: bool = True, fixed_k: int | None = None) -> None:
         self.costs = costs
         self.enabled = enabled
         self.fixed_k = fixed_k
         self._acceptance: dict[str, Acceptance] = {}
+        # How often a free drafter (prompt lookup) carries a step: the model draft's one-off
+        # catch-up only pays back over the steps the free drafters leave to it.
+        self.free_share = Ema(0.5, weight=0.2)
+        self.steps = 0
         self._plain_rounds = 0
         self.rounds = 0
         self.proposed = 0
@@ -152,6 +157,10 @@ class KChooser:
         d = 0.0 if free else self.costs.draft_per_token.value
         catch_up_ms = 0.0 if free else catch_up_tokens * self.costs.draft_prefill_per_token
         horizon = max(1, remaining)
+        if catch_up_ms > 0:
+            if self.steps < self.OBSERVE_STEPS:
+                return 0, self.plain_rate()  # too early to know whether prompt lookup will carry us
+            horizon = max(1, int(remaining * (1 - self.free_share.value)))
         best_k, best_rate = 0, self.plain_rate()
         for k in range(1, cap + 1):
             expected = (1 - a ** (k + 1)) / (1 - a)
@@ -160,6 +169,11 @@ class KChooser:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
+
+    def note_step(self, free_used: bool) -> None:
+        """Record whether a free drafter carried this step."""
+        self.steps += 1
+        self.free_share.update(1.0 if free_used else 0.0)
 
     def should_probe(self) -> bool:
         """Called when no plan beats plain decoding: probe once every PROBE_EVERY such rounds."""

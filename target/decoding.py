@@ -131,9 +131,12 @@ class Generation:
             if k > 0 and rate > best_rate:
                 best, best_rate = (proposer, state, k, proposal), rate
         if best is None:  # plain decoding wins; probe now and then
+            chooser.note_step(free_used=False)
             if probe is None or not chooser.should_probe():
                 return None
             best = (probe[0], probe[1], min(chooser.PROBE_K, cap), probe[2])
+        else:
+            chooser.note_step(free_used=best[0].free)
         proposer, state, k, proposal = best
         if proposal is not None:
             proposal.tokens = proposal.tokens[:k]
