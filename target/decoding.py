@@ -188,6 +188,9 @@ class Generation:
                 "spec_draft": self.spec.draft_ms,
                 "spec_verify": self.spec.verify_ms,
             }
+            for source, (proposed, accepted) in self.spec.by_source.items():
+                timings[f"spec_{source}_proposed"] = float(proposed)
+                timings[f"spec_{source}_accepted"] = float(accepted)
         return GenerateChunk(
             text="".join(parts) + self.detok.flush(),
             num_tokens=emitted,

@@ -82,6 +82,7 @@ def test_sampled_speculation_respects_limits(spec_service):
     tokens, text = _decode(spec_service, ids, params, spec)
     assert 0 < len(tokens) <= 20 and text.strip()
     assert spec.chooser.proposed > 0
+    assert sum(p for p, _ in spec.by_source.values()) == spec.chooser.proposed
 
 
 def test_seeded_sampling_decodes_without_speculation(spec_service):
