@@ -89,6 +89,10 @@ class RouterConfig(_Strict):
     """Rule router: short, simple requests go to the small model when the client asks for `auto`."""
 
     kind: Literal["rules"] = "rules"
+    placement: Literal["inline", "remote"] = Field(
+        "inline",
+        description="inline: the ingress routes in-process (microseconds, no hop); remote: ask the Router deployment",
+    )
     auto_model_id: str = "auto"
     small_max_prompt_tokens: int = Field(256, ge=0)
     small_max_output_tokens: int = Field(128, ge=0)
@@ -121,6 +125,11 @@ class IngressConfig(_Strict):
     max_body_bytes: int = Field(1_048_576, ge=1024)
     sampling: SamplingDefaults = SamplingDefaults()
     stage_timeout_s: float = Field(2.0, gt=0, description="cache/router call timeout; on expiry degrade, never fail")
+    overlap_cache_lookup: bool = Field(
+        True,
+        description="start the model while the cache lookup is in flight: a miss pays no lookup hop; "
+        "a hit cancels the model call (at most one prefill of wasted work)",
+    )
     request_timeout_s: float = Field(300.0, gt=0, description="ceiling for a request without a deadline")
 
 

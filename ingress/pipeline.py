@@ -2,9 +2,10 @@
 
     HTTP body ─► validate (400/413) ─► tokenize once (400 if it can't fit)
               ─► admission gate, in-process, no hop (503 + Retry-After)
-              ─► cache lookup ║ routing, started together (one hop of latency, not two)
-              ─► cache hit: answer now (x-cache: hit)
-              ─► else stream from the chosen model (target or small/draft)
+              ─► cache lookup starts ║ routing (in-process rules: microseconds)
+              ─► the chosen model starts while the lookup is still in flight
+              ─► cache hit: cancel the model call, answer now (x-cache: hit)
+              ─► else stream from the model: a miss never waits for the lookup hop
               ─► cache write, after the answer, off the request path
 
 Every wait has a timeout derived from the request's deadline. The cache and the router
@@ -34,6 +35,7 @@ from ingress.prompts import PromptBuilder
 from ingress.protocol import ChatCompletionRequest, CompletionRequest
 from ingress.responses import Kind, SSEWriter, full_response
 from router.base import RouteDecision, RouteFeatures
+from router.rules import RuleRouter
 from semantic_cache.exact import CachedResponse
 from semantic_cache.keys import exact_key
 
@@ -96,6 +98,9 @@ class Pipeline:
         }
         adm = args.admission
         self.gate = AdmissionGate(adm.max_inflight, adm.max_queued, adm.retry_after_s)
+        self.local_router = None
+        if args.router.placement == "inline":
+            self.local_router = RuleRouter(args.router, args.target.engine.model_id, args.draft.engine.model_id)
 
     # ------------------------------------------------------------------ entry points
 
@@ -234,17 +239,32 @@ class Pipeline:
         permit = Permit(self.gate)
         p.timings["admit"] = _ms(start)
         stream: ModelStream | None = None
+        lookup: asyncio.Future | None = None
+        first_chunk: asyncio.Future | None = None
         try:
-            hit, decision = await self._lookup_and_route(p)
-            if hit is not None:
-                permit.release()
-                return self._cached(p, hit)
+            if p.cache_key is not None and not ctx.no_cache:
+                lookup = asyncio.ensure_future(self._lookup(p))
+            decision = await self._route(p)  # in parallel with the lookup
+            if lookup is not None and not self.args.ingress.overlap_cache_lookup:
+                hit, lookup = await lookup, None
+                if hit is not None:
+                    permit.release()
+                    return self._cached(p, hit)
             builder = self.prompts[decision.model_id]
             if builder is not self.prompts[p.requested_model]:
                 p.prompt_ids = p.tokenize(builder)  # the routed model speaks another vocabulary
             generate = GenerateRequest(ctx.request_id, p.prompt_ids, p.sampling, ctx.deadline_unix())
             stream = self.backends.generate(decision.model_id, generate)
-            first = await self._next(stream, p)
+            first_chunk = asyncio.ensure_future(self._next(stream, p))
+            if lookup is not None:  # the model is already on its way; a hit calls it off
+                hit, lookup = await lookup, None
+                if hit is not None:
+                    first_chunk.cancel()
+                    stream.cancel()
+                    stream = None
+                    permit.release()
+                    return self._cached(p, hit)
+            first = await first_chunk
             p.timings["ttft"] = _ms(start)
             for name in ("engine_queue", "prefill"):
                 if name in first.timings_ms:
@@ -272,39 +292,37 @@ class Pipeline:
         except BaseException:
             # Error, timeout or client gone (CancelledError): free the slot, stop the model.
             permit.release()
+            for pending in (lookup, first_chunk):
+                if pending is not None and not pending.done():
+                    pending.cancel()
             if stream is not None:
                 stream.cancel()
             raise
 
-    async def _lookup_and_route(self, p: Prepared) -> tuple[CachedResponse | None, RouteDecision]:
-        """Cache lookup and routing run at once: the request pays one hop, not two."""
+    async def _lookup(self, p: Prepared) -> CachedResponse | None:
+        t = time.perf_counter()
+        try:
+            return await asyncio.wait_for(self.backends.cache_lookup(p.cache_key), self._stage_timeout(p))
+        except Exception as exc:  # a cache failure is a miss, never an error
+            log.warning("cache lookup failed, treating as a miss: %r", exc)
+            return None
+        finally:
+            p.timings["cache"] = _ms(t)
 
-        async def lookup() -> CachedResponse | None:
-            if p.cache_key is None or p.ctx.no_cache:
-                return None
-            t = time.perf_counter()
-            try:
-                return await asyncio.wait_for(self.backends.cache_lookup(p.cache_key), self._stage_timeout(p))
-            except Exception as exc:  # a cache failure is a miss, never an error
-                log.warning("cache lookup failed, treating as a miss: %r", exc)
-                return None
-            finally:
-                p.timings["cache"] = _ms(t)
-
-        async def route() -> RouteDecision:
-            t = time.perf_counter()
-            try:
-                return await asyncio.wait_for(self.backends.route(p.features), self._stage_timeout(p))
-            except Exception as exc:  # router down: the target can answer anything
-                log.warning("router failed, using the target model: %r", exc)
-                fallback = p.requested_model
-                if fallback == self.args.router.auto_model_id:
-                    fallback = self.args.target.engine.model_id
-                return RouteDecision(fallback, "router_unavailable")
-            finally:
-                p.timings["route"] = _ms(t)
-
-        return await asyncio.gather(lookup(), route())
+    async def _route(self, p: Prepared) -> RouteDecision:
+        t = time.perf_counter()
+        try:
+            if self.local_router is not None:
+                return self.local_router.route(p.features)
+            return await asyncio.wait_for(self.backends.route(p.features), self._stage_timeout(p))
+        except Exception as exc:  # router down: the target can answer anything
+            log.warning("router failed, using the target model: %r", exc)
+            fallback = p.requested_model
+            if fallback == self.args.router.auto_model_id:
+                fallback = self.args.target.engine.model_id
+            return RouteDecision(fallback, "router_unavailable")
+        finally:
+            p.timings["route"] = _ms(t)
 
     def _stage_timeout(self, p: Prepared) -> float:
         return max(0.001, p.ctx.remaining_s(self.args.ingress.stage_timeout_s))

@@ -29,6 +29,10 @@ def remote_app(service):
     # Always draft (k=4): whether adaptive k *should* use a remote draft is tested elsewhere;
     # here every request must go through the remote path.
     args.target.speculative.fixed_k = 4
+    # This app also takes the other hot-path modes: routing through the Router deployment, and
+    # the cache lookup awaited before the model starts.
+    args.router.placement = "remote"
+    args.ingress.overlap_cache_lookup = False
     serve.run(
         build_graph(args, service.config.deployment_options),
         name="remote",
@@ -65,6 +69,15 @@ def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
             c.choices[0].delta.content or "" for c in remote.chat.completions.create(stream=True, **kwargs) if c.choices
         )
         assert streamed == expected, f"remote {streamed!r} != colocated {expected!r}"
+    # Remote routing: `auto` still routes by the rules, through a hop.
+    routed = remote.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4, extra_headers=NO_CACHE
+    )
+    assert routed.headers["x-route"].endswith(";reason=simple")
+    # Without overlap, a repeat is still a cache hit.
+    cached = dict(model=TARGET, messages=[{"role": "user", "content": "Name a color."}], temperature=0, max_tokens=6)
+    remote.chat.completions.create(**cached)
+    assert remote.chat.completions.with_raw_response.create(**cached).headers["x-cache"] == "hit"
     target_stats = serve.get_deployment_handle("TargetModel", app_name="remote").stats.remote().result(timeout_s=30)
     draft_stats = serve.get_deployment_handle("DraftModel", app_name="remote").stats.remote().result(timeout_s=30)
     assert target_stats["draft_tokens_proposed"] > 0, f"the remote draft was never used: {target_stats}"
