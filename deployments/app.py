@@ -1,10 +1,10 @@
 """The app builder: binds the six deployments into one graph.
 
     Ingress ──► AdmissionController   (sync only, off the request path)
-       ├──────► SemanticCache  ┐ in parallel
-       ├──────► Router         ┘
-       ├──────► TargetModel    (streams tokens)
-       └──────► DraftModel     (streams tokens when routed to the small model)
+       ├──────► SemanticCache         (lookup overlapped with the model call)
+       ├──────► Router                (only with router.placement: remote; inline by default)
+       ├──────► TargetModel           (streams tokens; speculative, draft co-located by default)
+       └──────► DraftModel            (the small model; drafts for remote speculation)
 """
 
 from __future__ import annotations
