@@ -96,6 +96,20 @@ class Ingress:
             self.pipeline.gate, admission.report.remote, replica_id, config.admission.sync_interval_s
         )
         self._sync_task = asyncio.create_task(self._admission.run_forever())
+        # Ready means every stage on the request path answers: /health says 503 until then, and
+        # the first real request finds the handles' replica sets already known.
+        self.pipeline.ready = False
+        self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats]))
+
+    async def _warm(self, calls) -> None:
+        for call in calls:
+            while True:
+                try:
+                    await asyncio.wait_for(call.remote(), timeout=30)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.5)
+        self.pipeline.ready = True
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self.pipeline)

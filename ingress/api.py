@@ -34,15 +34,16 @@ def build_api(pipeline: Pipeline) -> FastAPI:
     async def health() -> JSONResponse:
         gate = pipeline.gate
         return JSONResponse(
-            {
-                "status": "ok",
+            status_code=200 if pipeline.ready else 503,
+            content={
+                "status": "ok" if pipeline.ready else "warming",
                 "admission": {
                     "inflight": gate.inflight,
                     "queued": gate.queued,
                     "max_inflight": gate.max_inflight,
                     "max_queued": gate.max_queued,
                 },
-            }
+            },
         )
 
     # Everything else, in the OpenAI error shape too: unknown paths, wrong methods, bugs.

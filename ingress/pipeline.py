@@ -98,6 +98,7 @@ class Pipeline:
         }
         adm = args.admission
         self.gate = AdmissionGate(adm.max_inflight, adm.max_queued, adm.retry_after_s)
+        self.ready = True  # the deployment sets False until its downstream stages answer
         self.local_router = None
         if args.router.placement == "inline":
             self.local_router = RuleRouter(args.router, args.target.engine.model_id, args.draft.engine.model_id)

@@ -23,7 +23,7 @@ def test_models_and_health(service):
     ids = {m.id for m in client.models.list()}
     assert ids == {TARGET, SMALL, "auto"}
     health = service.http.get("/health").json()
-    assert health["status"] == "ok"
+    assert health["status"] == "ok"  # ready: the fixture waited for 200, i.e. every stage answers
     assert health["admission"]["max_inflight"] == TEST_MAX_INFLIGHT
 
 

@@ -259,3 +259,22 @@ def test_context_from_headers():
     for bad in ({"x-request-deadline-ms": "-1"}, {"x-request-deadline-ms": "abc"}, {"x-tenant": "a b"}):
         with pytest.raises(APIError):
             context_from_headers(bad)
+
+
+# --------------------------------------------------------------------------- readiness
+
+
+def test_health_says_warming_until_every_stage_answers(serve_file):
+    from starlette.testclient import TestClient
+
+    from ingress.api import build_api
+    from ingress.pipeline import Pipeline
+
+    pipeline = Pipeline(serve_file.args, backends=None, prompts={})
+    client = TestClient(build_api(pipeline))
+    pipeline.ready = False
+    warming = client.get("/health")
+    assert warming.status_code == 503 and warming.json()["status"] == "warming"
+    pipeline.ready = True
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.get("/v1/nope").json()["error"]["code"] == "not_found"
