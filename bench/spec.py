@@ -22,11 +22,7 @@ from bench.workloads import conversations
 from configs.serve_config import load_serve_config
 from engines.types import GenerateRequest, SamplingParams
 
-CANDIDATES = {
-    "ngram": {"method": "ngram"},
-    "draft_model": {"method": "draft_model"},
-    "ngram+draft_model": {"method": "ngram+draft_model"},
-}
+CANDIDATES = ("ngram", "draft_model", "ngram+draft_model")
 
 
 def _decode(service, ids: list[int], max_tokens: int, speculate: bool, spec_config=None) -> dict:
@@ -118,19 +114,14 @@ def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
     # Candidate drafters share the replica's engines and measured costs.
     candidates = {}
     if not quick:
-        from draft.proposers import HintDraft, ModelDraft, NgramDraft
+        from draft.factory import build_proposers
 
-        cfg = stage.speculative
-        for name, overrides in CANDIDATES.items():
-            method = overrides["method"]
-            parts = [HintDraft(cfg.ngram_min, cfg.ngram_max)]
-            if "ngram" in method:
-                parts.append(NgramDraft(cfg.ngram_min, cfg.ngram_max))
-            if "draft_model" in method:
-                if service.draft_engine is None:
-                    continue
-                parts.append(ModelDraft(service.draft_engine))
-            candidates[name] = (parts, copy.deepcopy(service.costs))
+        for method in CANDIDATES:
+            if "draft_model" in method and service.draft_engine is None:
+                continue
+            cfg = stage.speculative.model_copy(update={"method": method})
+            proposers, _ = build_proposers(cfg, draft_engine=service.draft_engine)
+            candidates[method] = (proposers, copy.deepcopy(service.costs))
 
     results: dict[str, dict[str, list[dict]]] = {}
     lossless = True

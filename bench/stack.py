@@ -105,6 +105,9 @@ def run(requests: int = 16, max_tokens: int = 32, hop_requests: int = 300, quick
     from bench.hops import measure_hops
     from bench.service import running_service
 
+    if quick:  # a smoke run: fewer requests and hop samples
+        requests, hop_requests = min(requests, 4), min(hop_requests, 60)
+
     serve_file = load_serve_config()
     # This suite isolates framework cost: plain decoding on both sides (speculation streams
     # tokens in bursts, which would blur per-token latency; the `spec` suite measures it).

@@ -73,6 +73,10 @@ class SpeculativeConfig(_Strict):
     def _needs_draft(self) -> "SpeculativeConfig":
         if "draft_model" in self.method and self.placement == "colocated" and self.draft_engine is None:
             raise ValueError("method uses a draft model: set `draft_engine` (or placement: remote)")
+        if self.placement == "remote" and self.draft_engine is not None:
+            raise ValueError("placement: remote drafts with the DraftModel deployment's engine: remove `draft_engine`")
+        if self.method != "none" and not self.adaptive and self.fixed_k is None:
+            raise ValueError("adaptive: false needs `fixed_k` (or method: none to turn speculation off)")
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
         return self
@@ -148,4 +152,7 @@ class AppArgs(_Strict):
         ids = {self.target.engine.model_id, self.draft.engine.model_id, self.router.auto_model_id}
         if len(ids) != 3:
             raise ValueError("target, draft and router.auto_model_id must be three different model ids")
+        unknown = set(self.ingress.served_model_ids or ()) - ids
+        if unknown:
+            raise ValueError(f"ingress.served_model_ids names models this app does not serve: {sorted(unknown)}")
         return self

@@ -7,12 +7,18 @@ from draft.proposers import HintDraft, ModelDraft, NgramDraft, Proposer
 from engines.base import Engine
 
 
-def build_proposers(config: SpeculativeConfig, remote_draft: Proposer | None = None) -> tuple[list[Proposer], Engine | None]:
-    """Return (drafters, the co-located draft engine if any). Free lookups first."""
+def build_proposers(
+    config: SpeculativeConfig,
+    remote_draft: Proposer | None = None,
+    draft_engine: Engine | None = None,
+) -> tuple[list[Proposer], Engine | None]:
+    """Return (drafters, the co-located draft engine if any). Free lookups first.
+
+    Pass `draft_engine` to reuse a loaded engine instead of building one from the config.
+    """
     if config.method == "none":
         return [], None
     parts: list[Proposer] = []
-    draft_engine = None
     if config.use_hints:
         parts.append(HintDraft(config.ngram_min, config.ngram_max))
     if "ngram" in config.method:
@@ -23,9 +29,10 @@ def build_proposers(config: SpeculativeConfig, remote_draft: Proposer | None = N
                 raise ValueError("placement: remote needs the DraftModel deployment handle")
             parts.append(remote_draft)
         else:
-            from engines.factory import build_engine
+            if draft_engine is None:
+                from engines.factory import build_engine
 
-            assert config.draft_engine is not None
-            draft_engine = build_engine(config.draft_engine)
+                assert config.draft_engine is not None
+                draft_engine = build_engine(config.draft_engine)
             parts.append(ModelDraft(draft_engine))
-    return parts, draft_engine
+    return parts, (draft_engine if "draft_model" in config.method and config.placement == "colocated" else None)

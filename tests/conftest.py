@@ -4,15 +4,15 @@ real Ray Serve (loopback, a free port), once per test session."""
 from __future__ import annotations
 
 import os
+
 import httpx
 import pytest
 
-from bench.service import OFFLINE_ENV, running_service  # noqa: E402
+from bench.service import OFFLINE_ENV, running_service
+from configs.schemas import EngineConfig
+from configs.serve_config import load_serve_config
 
 os.environ.update(OFFLINE_ENV)  # tests never reach a model hub
-
-from configs.serve_config import load_serve_config  # noqa: E402
-from configs.schemas import EngineConfig  # noqa: E402
 
 # The test service keeps the production config but tight admission limits, so overload
 # behaviour can be provoked with a handful of requests.

