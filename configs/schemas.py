@@ -106,12 +106,52 @@ class RouterConfig(_Strict):
     )
 
 
+class VectorStoreConfig(_Strict):
+    kind: Literal["edge", "qdrant"] = Field(
+        "edge", description="edge: Qdrant's engine embedded in the replica (HNSW); qdrant: qdrant-client"
+    )
+    location: str | None = Field(
+        None, description="edge: a directory (default: a temporary one); qdrant: ':memory:', a path or a server URL"
+    )
+    collection: str = "semantic_cache"
+    index_every: int = Field(1000, ge=1, description="edge: rebuild the HNSW index after this many new entries")
+
+
+class SemanticConfig(_Strict):
+    """Paraphrase matching on the last user turn, inside the scope of everything else."""
+
+    enabled: bool = True
+    threshold: float = Field(0.86, gt=0, le=1, description="cosine to serve a hit; tuned by `python -m bench cache`")
+    hint_threshold: float = Field(0.7, gt=0, le=1, description="cosine to hand a near miss to the target as a draft")
+    guards: bool = Field(True, description="negation / number / entity / contrast checks before serving a hit")
+    store: VectorStoreConfig = VectorStoreConfig()
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SemanticConfig":
+        if self.hint_threshold > self.threshold:
+            raise ValueError("hint_threshold must not exceed threshold")
+        return self
+
+
 class CacheConfig(_Strict):
-    """Exact-match response cache (the semantic layer comes later)."""
+    """Response cache: an exact-match fast path, then a semantic (MiniLM + Qdrant) lookup."""
 
     enabled: bool = True
     max_entries: int = Field(10_000, ge=1)
     ttl_s: float = Field(3600.0, gt=0)
+    sampled_opt_in: bool = Field(
+        True, description="requests with temperature > 0 may use the cache with header `x-cache-sampled: allow`"
+    )
+    coalesce: bool = Field(True, description="identical cacheable requests in flight share one generation")
+    replay_chunk_words: int = Field(4, ge=1, description="words per SSE chunk when a hit is replayed as a stream")
+    near_entries: int = Field(
+        1024, ge=0, description="per-ingress exact-answer cache (no hop on a repeat); 0 turns it off"
+    )
+    near_ttl_s: float = Field(
+        30.0, gt=0, description="how long an ingress keeps a near copy: bounds staleness after another "
+        "ingress replica's invalidate"
+    )
+    semantic: SemanticConfig = SemanticConfig()
 
 
 class AdmissionConfig(_Strict):
@@ -130,9 +170,9 @@ class IngressConfig(_Strict):
     sampling: SamplingDefaults = SamplingDefaults()
     stage_timeout_s: float = Field(2.0, gt=0, description="cache/router call timeout; on expiry degrade, never fail")
     overlap_cache_lookup: bool = Field(
-        True,
-        description="start the model while the cache lookup is in flight: a miss pays no lookup hop; "
-        "a hit cancels the model call (at most one prefill of wasted work)",
+        False,
+        description="start the model while the cache lookup is in flight: a miss pays no lookup wait, but a "
+        "hit wastes up to one prefill and near misses cannot be used as drafts",
     )
     request_timeout_s: float = Field(300.0, gt=0, description="ceiling for a request without a deadline")
 

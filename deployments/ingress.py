@@ -17,6 +17,7 @@ from ingress.api import build_api
 from ingress.pipeline import ModelStream, Pipeline
 from ingress.prompts import PromptBuilder
 from router.base import RouteDecision, RouteFeatures
+from semantic_cache.cache import CacheEntry, Lookup
 from semantic_cache.exact import CachedResponse
 
 
@@ -30,11 +31,17 @@ class HandleBackends:
         self._pending: set[asyncio.Task] = set()
 
     async def cache_lookup(self, key: str) -> CachedResponse | None:
-        return await self._cache.lookup.remote(key)
+        return await self._cache.lookup_exact.remote(key)
 
-    def cache_store(self, key: str, tenant: str, value: CachedResponse) -> None:
+    async def cache_similar(self, scope: str, vector, query: str) -> Lookup:
+        return await self._cache.lookup_similar.remote(scope, vector, query)
+
+    async def cache_invalidate(self, tenant: str) -> int:
+        return await self._cache.invalidate.remote(tenant)
+
+    def cache_store(self, entry: CacheEntry) -> None:
         # Fire and forget, but keep a reference so the write is not garbage-collected mid-flight.
-        task = asyncio.ensure_future(self._await(self._cache.store.remote(key, tenant, value)))
+        task = asyncio.ensure_future(self._await(self._cache.store.remote(entry)))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -86,7 +93,14 @@ class Ingress:
         backends = HandleBackends(
             cache, router, {config.target.engine.model_id: target, config.draft.engine.model_id: draft}
         )
-        self.pipeline = Pipeline(config, backends, _prompt_builders(config))
+        embedder = None
+        if config.cache.enabled and config.cache.semantic.enabled:
+            # One MiniLM per ingress replica: the request's embedding is made here, once, and
+            # shared by the cache lookup and the router. Loaded off the event loop.
+            from semantic_cache.embedder import Embedder
+
+            embedder = await asyncio.get_running_loop().run_in_executor(None, Embedder)
+        self.pipeline = Pipeline(config, backends, _prompt_builders(config), embedder)
         replica_id = f"{os.getpid()}-{id(self)}"
         try:
             replica_id = serve.get_replica_context().replica_id.unique_id

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
 from ray import serve
 
 from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
 from router.base import RouteDecision, RouteFeatures
 from router.rules import RuleRouter
-from semantic_cache.exact import CachedResponse, ExactCache
+from semantic_cache.cache import CacheEntry, Lookup, ResponseCache
+from semantic_cache.embedder import DIMENSIONS
+from semantic_cache.exact import CachedResponse
+from semantic_cache.store import make_store
 
 
 @serve.deployment(name="AdmissionController")
@@ -27,20 +33,40 @@ class AdmissionController:
 
 @serve.deployment(name="SemanticCache")
 class SemanticCache:
+    """Exact + semantic response cache. Embeddings come from the ingress (computed once there)."""
+
     def __init__(self, args: dict) -> None:
-        self.cache = ExactCache(CacheConfig.model_validate(args))
+        config = CacheConfig.model_validate(args)
+        store = make_store(config.semantic.store, DIMENSIONS) if config.semantic.enabled else None
+        self.cache = ResponseCache(config, store)
+        self._indexing: asyncio.Future | None = None
+        self._purge_task = asyncio.get_event_loop().create_task(self._purge_forever(min(60.0, config.ttl_s / 4)))
 
-    async def lookup(self, key: str) -> CachedResponse | None:
-        return self.cache.get(key)
+    async def lookup_exact(self, key: str) -> CachedResponse | None:
+        return self.cache.lookup_exact(key)
 
-    async def store(self, key: str, tenant: str, value: CachedResponse) -> None:
-        self.cache.put(key, tenant, value)
+    async def lookup_similar(self, scope: str, vector: np.ndarray, query: str) -> Lookup:
+        return self.cache.lookup_similar(scope, vector, query)
+
+    async def store(self, entry: CacheEntry) -> None:
+        self.cache.put(entry)
+        if self.cache.needs_index() and (self._indexing is None or self._indexing.done()):
+            # HNSW build takes seconds at 10k entries: a thread, never the request path.
+            self._indexing = asyncio.get_running_loop().run_in_executor(None, self.cache.build_index)
 
     async def invalidate(self, tenant: str | None = None) -> int:
         return self.cache.invalidate(tenant)
 
     async def stats(self) -> dict[str, int]:
-        return {"entries": len(self.cache), "hits": self.cache.hits, "misses": self.cache.misses}
+        return self.cache.stats()
+
+    async def _purge_forever(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                self.cache.purge_expired()
+            except Exception:
+                pass  # retried next round; expired entries are filtered out of searches anyway
 
 
 @serve.deployment(name="Router")

@@ -26,6 +26,10 @@ def build_api(pipeline: Pipeline) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await pipeline.handle(request, "completion")
 
+    @app.delete("/v1/cache")
+    async def invalidate_cache(request: Request) -> Response:
+        return await pipeline.invalidate(request)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(pipeline.models())

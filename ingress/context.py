@@ -23,6 +23,7 @@ class RequestContext:
     deadline: float | None  # time.monotonic() deadline, or None
     no_cache: bool = False  # Cache-Control: no-cache -> skip the lookup
     no_store: bool = False  # Cache-Control: no-store -> skip the write
+    cache_sampled: bool = False  # x-cache-sampled: allow -> a temperature > 0 request may use the cache
     received: float = field(default_factory=time.monotonic)
 
     def remaining_s(self, ceiling: float) -> float:
@@ -75,4 +76,5 @@ def context_from_headers(headers: Mapping[str, str]) -> RequestContext:
         deadline=deadline,
         no_cache="no-cache" in cache_control,
         no_store="no-store" in cache_control,
+        cache_sampled=headers.get("x-cache-sampled", "").strip().lower() == "allow",
     )

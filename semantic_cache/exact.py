@@ -44,19 +44,30 @@ class ExactCache:
         self.hits += 1
         return value
 
-    def put(self, key: str, tenant: str, value: CachedResponse) -> None:
+    def put(self, key: str, tenant: str, value: CachedResponse) -> list[str]:
+        """Store; return the keys evicted to stay within `max_entries` (oldest use first)."""
         self._entries[key] = (self._clock() + self.config.ttl_s, tenant, value)
         self._entries.move_to_end(key)
+        evicted = []
         while len(self._entries) > self.config.max_entries:
-            self._entries.popitem(last=False)
+            evicted.append(self._entries.popitem(last=False)[0])
+        return evicted
 
-    def invalidate(self, tenant: str | None = None) -> int:
-        """Drop one tenant's entries (or all); return how many went."""
-        if tenant is None:
-            dropped = len(self._entries)
-            self._entries.clear()
-            return dropped
-        keys = [k for k, (_, t, _) in self._entries.items() if t == tenant]
+    def touch(self, key: str) -> None:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
+    def expired(self) -> list[str]:
+        """Drop and return the keys past their TTL."""
+        now = self._clock()
+        gone = [k for k, (expires, _, _) in self._entries.items() if now >= expires]
+        for k in gone:
+            del self._entries[k]
+        return gone
+
+    def invalidate(self, tenant: str | None = None) -> list[str]:
+        """Drop one tenant's entries (or all); return their keys."""
+        keys = [k for k, (_, t, _) in self._entries.items() if tenant is None or t == tenant]
         for k in keys:
             del self._entries[k]
-        return len(keys)
+        return keys

@@ -30,9 +30,10 @@ def remote_app(service):
     # here every request must go through the remote path.
     args.target.speculative.fixed_k = 4
     # This app also takes the other hot-path modes: routing through the Router deployment, and
-    # the cache lookup awaited before the model starts.
+    # the model started while the cache lookup is in flight; the semantic layer off (exact only).
     args.router.placement = "remote"
-    args.ingress.overlap_cache_lookup = False
+    args.ingress.overlap_cache_lookup = True
+    args.cache.semantic.enabled = False
     serve.run(
         build_graph(args, service.config.deployment_options),
         name="remote",
@@ -74,7 +75,7 @@ def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
         model="auto", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4, extra_headers=NO_CACHE
     )
     assert routed.headers["x-route"].endswith(";reason=simple")
-    # Without overlap, a repeat is still a cache hit.
+    # With overlap, a repeat is still a cache hit (the model call is cancelled).
     cached = dict(model=TARGET, messages=[{"role": "user", "content": "Name a color."}], temperature=0, max_tokens=6)
     remote.chat.completions.create(**cached)
     assert remote.chat.completions.with_raw_response.create(**cached).headers["x-cache"] == "hit"

@@ -212,7 +212,7 @@ def test_exact_cache_ttl_lru_and_tenant_invalidation():
     assert cache.get("k1") is None  # expired
     cache.put("k4", "t1", _value())
     cache.put("k5", "t2", _value())
-    assert cache.invalidate("t1") == 1 and cache.get("k5") is not None
+    assert len(cache.invalidate("t1")) == 1 and cache.get("k5") is not None
 
 
 def test_cache_key_scopes_tenant_context_and_sampling():

