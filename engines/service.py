@@ -40,6 +40,8 @@ class EngineStats:
         self.active = 0
         self.draft_tokens_proposed = 0
         self.draft_tokens_accepted = 0
+        self.hint_tokens_proposed = 0  # from semantic-cache near misses
+        self.hint_tokens_accepted = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -147,6 +149,8 @@ class ModelService:
                     finished = True
                     self.stats.draft_tokens_proposed += int(chunk.timings_ms.get("spec_proposed", 0))
                     self.stats.draft_tokens_accepted += int(chunk.timings_ms.get("spec_accepted", 0))
+                    self.stats.hint_tokens_proposed += int(chunk.timings_ms.get("spec_hint_proposed", 0))
+                    self.stats.hint_tokens_accepted += int(chunk.timings_ms.get("spec_hint_accepted", 0))
                     yield chunk
                     return
                 yield chunk

@@ -39,16 +39,16 @@ class RequestContext:
 
 
 def tenant_from_headers(headers: Mapping[str, str]) -> str:
-    """`x-tenant`, else a stable hash of the bearer key (never the key itself), else anonymous."""
+    """A stable hash of the bearer key (never the key itself), else anonymous; `x-tenant` names a
+    namespace *inside* the key's, so a header can never reach another key's cached answers."""
     explicit = headers.get("x-tenant")
-    if explicit:
-        if not _TOKEN.match(explicit):
-            raise bad_request("x-tenant must be 1-64 characters of [A-Za-z0-9_.:-]", "x-tenant")
-        return explicit
+    if explicit and not _TOKEN.match(explicit):
+        raise bad_request("x-tenant must be 1-64 characters of [A-Za-z0-9_.:-]", "x-tenant")
     auth = headers.get("authorization", "")
+    owner = "anonymous"
     if auth.lower().startswith("bearer ") and auth[7:].strip():
-        return "key-" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
-    return "anonymous"
+        owner = "key-" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
+    return f"{owner}/{explicit}" if explicit else owner
 
 
 def context_from_headers(headers: Mapping[str, str]) -> RequestContext:

@@ -26,10 +26,10 @@ class Service:
         self.config = serve_file
         self.http = httpx.Client(base_url=base_url, timeout=120)
 
-    def openai(self, **kwargs):
+    def openai(self, api_key: str = "sk-test", **kwargs):
         from openai import OpenAI
 
-        return OpenAI(base_url=self.base_url + "/v1", api_key="sk-test", max_retries=0, **kwargs)
+        return OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, **kwargs)
 
     def async_openai(self):
         from openai import AsyncOpenAI

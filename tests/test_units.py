@@ -252,7 +252,8 @@ def test_context_from_headers():
     ctx = context_from_headers({"authorization": "Bearer sk-secret", "x-request-deadline-ms": "1500"})
     assert ctx.tenant.startswith("key-") and "sk-secret" not in ctx.tenant
     assert 1.0 < ctx.remaining_s(100) <= 1.5
-    assert context_from_headers({"x-tenant": "acme", "authorization": "Bearer k"}).tenant == "acme"
+    assert context_from_headers({"x-tenant": "acme", "authorization": "Bearer k"}).tenant.endswith("/acme")
+    assert context_from_headers({"x-tenant": "acme"}).tenant == "anonymous/acme"
     assert context_from_headers({}).tenant == "anonymous"
     ctx = context_from_headers({"cache-control": "no-cache", "x-slo-tier": "batch"})
     assert ctx.no_cache and not ctx.no_store and ctx.tier == "batch"
