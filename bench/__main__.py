@@ -19,6 +19,7 @@ from bench.service import OFFLINE_ENV
 SUITES = {
     "stack": "bench.stack",  # engine direct vs the whole graph; per-hop cost
     "spec": "bench.spec",  # speculative decoding vs target-alone vs HF assisted generation
+    "cache": "bench.cache",  # semantic cache: precision/recall, hit latency over HTTP, store, near-miss drafts
 }
 
 

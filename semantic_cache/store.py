@@ -129,9 +129,11 @@ class ClientStore:
             self.client.create_collection(
                 self.collection, vectors_config=models.VectorParams(size=dimensions, distance=models.Distance.COSINE)
             )
-            for name, kind in (("scope", models.PayloadSchemaType.KEYWORD), ("tenant", models.PayloadSchemaType.KEYWORD),
-                               ("expires", models.PayloadSchemaType.FLOAT)):
-                self.client.create_payload_index(self.collection, name, kind)
+            if location.startswith(("http://", "https://")):  # local mode has no payload indexes
+                for name, kind in (("scope", models.PayloadSchemaType.KEYWORD),
+                                   ("tenant", models.PayloadSchemaType.KEYWORD),
+                                   ("expires", models.PayloadSchemaType.FLOAT)):
+                    self.client.create_payload_index(self.collection, name, kind)
 
     def upsert(self, point_id: str, vector: np.ndarray, payload: dict[str, Any]) -> None:
         point = self._m.PointStruct(id=point_id, vector=vector.tolist(), payload=payload)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from configs.schemas import CacheConfig, VectorStoreConfig
@@ -17,7 +16,7 @@ from semantic_cache.cache import CacheEntry, ResponseCache
 from semantic_cache.evalset import eval_pairs
 from semantic_cache.exact import CachedResponse
 from semantic_cache.guards import mismatch
-from semantic_cache.keys import exact_key, scope_key, split_query
+from semantic_cache.keys import scope_key, split_query
 from semantic_cache.store import make_store
 
 
@@ -172,7 +171,9 @@ def test_single_flight_shares_one_generation_and_stops_when_all_leave():
         await lead.__anext__()
         follow, joined = flights.join("k", lambda: pytest.fail("a second generation started"))
         assert (followed, joined) == (False, True)
-        texts = ["".join([c.text async for c in s]) for s in (lead, follow)]
+        texts = []
+        for stream in (lead, follow):
+            texts.append("".join([c.text async for c in stream]))
         assert texts[1] == "t1 t2 t3 t4 t5 " and texts[0] == "t2 t3 t4 t5 "
         # Everyone leaves before the end: the model call is cancelled.
         quitter_source = _FakeStream(100)

@@ -1,0 +1,206 @@
+"""Suite `cache`: the semantic cache's quality, its latency through the stack, its store, and
+what near-miss drafts buy.
+
+1. Quality on the shipped evaluation set (semantic_cache/evalset.py): precision / recall at the
+   configured threshold, the curve over thresholds (with and without guards), and a held-out
+   check: the threshold picked on the `tune` half, scored on the `test` half.
+2. Latency over HTTP through the whole graph (httpx, non-streaming, loopback): a miss that
+   generates, an exact hit, a semantic hit (a paraphrase, first time asked).
+3. Store lookup p50/p99 at 10k and 100k entries (Qdrant edge, HNSW built; all entries in one
+   scope, the worst case for the filter), next to qdrant-client's local mode at 10k.
+4. Near-miss drafts: the target (serve_config.yaml's speculation) answers paraphrases with the
+   cached answer of the original question as a hint vs without it; same tokens, less time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from bench.stats import summary
+from configs.serve_config import load_serve_config
+from semantic_cache.evalset import PARAPHRASES, eval_pairs
+from semantic_cache.guards import mismatch
+
+THRESHOLDS = [round(0.70 + 0.01 * i, 2) for i in range(29)]
+
+
+def _prf(served: list[bool], labels: list[str]) -> tuple[float, float]:
+    tp = sum(s and lab == "hit" for s, lab in zip(served, labels))
+    fp = sum(s and lab == "miss" for s, lab in zip(served, labels))
+    hits = sum(lab == "hit" for lab in labels)
+    return (tp / (tp + fp) if tp + fp else 1.0), (tp / hits if hits else 0.0)
+
+
+def quality(embedder, threshold: float) -> dict:
+    pairs = eval_pairs()
+    a = embedder.embed_many([p.cached for p in pairs])
+    b = embedder.embed_many([p.query for p in pairs])
+    sims = (a * b).sum(axis=1)
+    guards_ok = [mismatch(p.cached, p.query) is None for p in pairs]
+    labels = [p.label for p in pairs]
+
+    def score(th: float, split: str | None = None, guards: bool = True) -> tuple[float, float]:
+        idx = [i for i, p in enumerate(pairs) if split is None or p.split == split]
+        served = [bool(sims[i] >= th) and (guards_ok[i] or not guards) for i in idx]
+        return _prf(served, [labels[i] for i in idx])
+
+    curve = []
+    for th in THRESHOLDS:
+        p, r = score(th)
+        pn, rn = score(th, guards=False)
+        curve.append({"threshold": th, "precision": round(p, 4), "recall": round(r, 4),
+                      "precision_no_guards": round(pn, 4), "recall_no_guards": round(rn, 4)})
+    # Held-out: the lowest threshold with precision >= 0.98 on `tune`, scored on `test`.
+    tuned = next((th for th in THRESHOLDS if score(th, "tune")[0] >= 0.98), THRESHOLDS[-1])
+    held_p, held_r = score(tuned, "test")
+    precision, recall = score(threshold)
+    return {
+        "pairs": len(pairs),
+        "paraphrase_pairs": labels.count("hit"),
+        "near_miss_pairs": labels.count("miss"),
+        "precision": round(precision, 4),
+        "recall": round(recall, 4),
+        "heldout": {"tuned_threshold": tuned, "test_precision": round(held_p, 4), "test_recall": round(held_r, 4)},
+        "curve": curve,
+    }
+
+
+def store_latency(dimensions: int, sizes: tuple[int, ...], queries: int = 300) -> dict:
+    from configs.schemas import VectorStoreConfig
+    from semantic_cache.store import make_store
+
+    rng = np.random.default_rng(0)
+    out: dict[str, dict] = {}
+    for kind, n in [("edge", s) for s in sizes] + [("qdrant", 10_000)]:
+        store = make_store(VectorStoreConfig(kind=kind), dimensions)
+        vectors = rng.standard_normal((n, dimensions)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        started = time.perf_counter()
+        for i in tqdm(range(n), desc=f"store {kind} {n}: insert", unit="entry", mininterval=2):
+            store.upsert(f"00000000-0000-0000-0000-{i:012d}", vectors[i], {"scope": "s", "tenant": "t", "expires": 1e12})
+        inserted_s = time.perf_counter() - started
+        started = time.perf_counter()
+        store.maintain()  # the HNSW build the cache deployment runs in the background
+        index_s = time.perf_counter() - started
+        probes = rng.standard_normal((queries, dimensions)).astype(np.float32)
+        times = []
+        for q in probes[: queries if kind == "edge" else 30]:
+            t = time.perf_counter()
+            store.search(q, "s", 0.0, 3)
+            times.append((time.perf_counter() - t) * 1000)
+        out[f"{kind}_{n}"] = {"insert_s": round(inserted_s, 1), "index_s": round(index_s, 1), "lookup_ms": summary(times)}
+    return out
+
+
+def http_latency(requests: int, max_tokens: int) -> dict:
+    import httpx
+
+    from bench.service import running_service
+
+    serve_file = load_serve_config()
+    model = serve_file.args.target.engine.model_id
+    pairs = PARAPHRASES[:requests]
+    miss, exact, semantic, outcomes = [], [], [], {"semantic_hit": 0, "hint": 0, "miss": 0}
+
+    def ask(client: httpx.Client, text: str) -> tuple[float, httpx.Response]:
+        body = {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
+                "max_tokens": max_tokens}
+        t = time.perf_counter()
+        resp = client.post("/v1/chat/completions", json=body)
+        resp.raise_for_status()
+        return (time.perf_counter() - t) * 1000, resp
+
+    with running_service(serve_file) as base, httpx.Client(base_url=base, timeout=120,
+                                                           headers={"authorization": "Bearer bench"}) as client:
+        ask(client, "Warm up: say hi.")
+        for original, paraphrase in tqdm(pairs, desc="cache over HTTP", unit="pair"):
+            ms, resp = ask(client, original)
+            if resp.headers["x-cache"] in ("miss", "hint"):
+                miss.append(ms)
+            time.sleep(0.05)  # the write is fire-and-forget: let it land
+            ms, resp = ask(client, original)
+            if resp.headers["x-cache"] == "hit":
+                exact.append(ms)
+            ms, resp = ask(client, paraphrase)
+            if resp.headers["x-cache"] == "hit":
+                semantic.append(ms)
+                outcomes["semantic_hit"] += 1
+            else:
+                outcomes[resp.headers["x-cache"]] = outcomes.get(resp.headers["x-cache"], 0) + 1
+    return {"miss_ms": summary(miss), "exact_hit_ms": summary(exact), "semantic_hit_ms": summary(semantic),
+            "paraphrase_outcomes": outcomes}
+
+
+def near_miss_speedup(pairs_n: int, max_tokens: int) -> dict:
+    from engines.service import ModelService
+    from engines.types import GenerateRequest, SamplingParams
+    from ingress.prompts import PromptBuilder
+    from ingress.protocol import ChatMessage
+
+    stage = load_serve_config().args.target
+    service = ModelService(stage)
+    builder = PromptBuilder(service.engine.tokenizer)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+    async def generate(rid: str, text: str, hint: list[int] | None) -> tuple[str, float, int]:
+        ids = builder.chat([ChatMessage(role="user", content=text)])
+        request = GenerateRequest(rid, ids, params, draft_hint_ids=hint)
+        parts, first, tokens = [], None, 0
+        async for chunk in service.generate(request):
+            if first is None:
+                first = time.perf_counter()
+            parts.append(chunk.text)
+            tokens += chunk.num_tokens
+        # Decode time only (after the first chunk): the hint cannot speed up the prefill.
+        return "".join(parts), (time.perf_counter() - first) * 1000, tokens
+
+    async def run_all() -> dict:
+        plain_ms = hinted_ms = 0.0
+        identical = True
+        rows = []
+        for i, (original, paraphrase) in enumerate(tqdm(PARAPHRASES[:pairs_n], desc="near-miss drafts", unit="pair")):
+            cached, _, _ = await generate(f"c{i}", original, None)
+            hint = builder.tokenizer.encode(cached, add_special_tokens=False)
+            plain, t_plain, n = await generate(f"p{i}", paraphrase, None)
+            hinted, t_hint, _ = await generate(f"h{i}", paraphrase, hint)
+            identical &= plain == hinted
+            plain_ms += t_plain
+            hinted_ms += t_hint
+            rows.append({"tokens": n, "plain_decode_ms": round(t_plain, 1), "hinted_decode_ms": round(t_hint, 1)})
+        return {"speedup": round(plain_ms / hinted_ms, 3), "identical_output": identical, "pairs": rows}
+
+    return asyncio.run(run_all())
+
+
+def run(requests: int = 30, max_tokens: int = 48, quick: bool = False) -> dict:
+    from semantic_cache.embedder import Embedder
+
+    serve_file = load_serve_config()
+    semantic = serve_file.args.cache.semantic
+    embedder = Embedder()
+    q = quality(embedder, semantic.threshold)
+    sizes = (10_000,) if quick else (10_000, 100_000)
+    store = store_latency(embedder.dimensions, sizes)
+    http = http_latency(min(requests, 6) if quick else requests, max_tokens)
+    near = near_miss_speedup(4 if quick else 12, 64 if quick else 96)
+    big = store.get("edge_100000", {}).get("lookup_ms", {})
+    return {
+        "threshold": semantic.threshold,
+        "precision": q["precision"],
+        "recall": q["recall"],
+        "exact_hit_p50_ms": http["exact_hit_ms"]["p50"],
+        "semantic_hit_p50_ms": http["semantic_hit_ms"]["p50"],
+        "miss_p50_ms": http["miss_ms"]["p50"],
+        "lookup_p99_ms_10k": store["edge_10000"]["lookup_ms"]["p99"],
+        "lookup_p99_ms_100k": big.get("p99", float("nan")),
+        "near_miss_draft_speedup": near["speedup"],
+        "quality": q,
+        "http": http,
+        "store": store,
+        "near_miss": near,
+        "config": {"requests": requests, "max_tokens": max_tokens, "quick": quick, "hint_threshold": semantic.hint_threshold},
+    }
