@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 from ray import serve
@@ -15,6 +16,8 @@ from semantic_cache.cache import CacheEntry, Lookup, ResponseCache
 from semantic_cache.embedder import DIMENSIONS
 from semantic_cache.exact import CachedResponse
 from semantic_cache.store import make_store
+
+log = logging.getLogger(__name__)
 
 
 @serve.deployment(name="AdmissionController")
@@ -35,12 +38,12 @@ class AdmissionController:
 class SemanticCache:
     """Exact + semantic response cache. Embeddings come from the ingress (computed once there)."""
 
-    def __init__(self, args: dict) -> None:
+    async def __init__(self, args: dict) -> None:
         config = CacheConfig.model_validate(args)
         store = make_store(config.semantic.store, DIMENSIONS) if config.semantic.enabled else None
         self.cache = ResponseCache(config, store)
         self._indexing: asyncio.Future | None = None
-        self._purge_task = asyncio.get_event_loop().create_task(self._purge_forever(min(60.0, config.ttl_s / 4)))
+        self._purge_task = asyncio.create_task(self._purge_forever(min(60.0, config.ttl_s / 4)))
 
     async def lookup_exact(self, key: str) -> CachedResponse | None:
         return self.cache.lookup_exact(key)
@@ -65,8 +68,8 @@ class SemanticCache:
             await asyncio.sleep(every_s)
             try:
                 self.cache.purge_expired()
-            except Exception:
-                pass  # retried next round; expired entries are filtered out of searches anyway
+            except Exception as exc:  # retried next round; searches filter expired entries anyway
+                log.warning("cache purge failed: %r", exc)
 
 
 @serve.deployment(name="Router")

@@ -358,7 +358,8 @@ class Pipeline:
 
     def _start(self, model_id: str, request: GenerateRequest, p: Prepared) -> ModelStream:
         """Start generating, or join an identical generation already in flight."""
-        if p.cache_key is None or not self.args.cache.coalesce or request.draft_hint_ids:
+        # no-cache asks for a fresh answer: it neither reads the cache nor joins a flight.
+        if p.cache_key is None or p.ctx.no_cache or not self.args.cache.coalesce or request.draft_hint_ids:
             return self.backends.generate(model_id, request)
         stream, followed = self.flights.join(f"{model_id}:{p.cache_key}", lambda: self.backends.generate(model_id, request))
         p.coalesced = followed
