@@ -20,6 +20,7 @@ SUITES = {
     "stack": "bench.stack",  # engine direct vs the whole graph; per-hop cost
     "spec": "bench.spec",  # speculative decoding vs target-alone vs HF assisted generation
     "cache": "bench.cache",  # semantic cache: precision/recall, hit latency over HTTP, store, near-miss drafts
+    "route": "bench.route",  # router accuracy, routing cost, routed vs all-to-target under mixed load
 }
 
 

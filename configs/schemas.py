@@ -89,21 +89,52 @@ class ModelStageConfig(_Strict):
     speculative: SpeculativeConfig = SpeculativeConfig()
 
 
-class RouterConfig(_Strict):
-    """Rule router: short, simple requests go to the small model when the client asks for `auto`."""
+class ClassifierConfig(_Strict):
+    """The learned router: logistic regression on the request's MiniLM embedding."""
 
-    kind: Literal["rules"] = "rules"
+    weights: str | None = Field(None, description="weights JSON; default router/weights/difficulty.json (router.train)")
+    threshold: float = Field(0.5, gt=0, lt=1, description="p_hard at or above this goes to the large model")
+    min_threshold: float = Field(0.15, gt=0, lt=1, description="lowest the load shift may move it (small model busy)")
+    max_threshold: float = Field(0.9, gt=0, lt=1, description="highest the load shift may move it (large model busy)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ClassifierConfig":
+        if not self.min_threshold <= self.threshold <= self.max_threshold:
+            raise ValueError("need min_threshold <= threshold <= max_threshold")
+        return self
+
+
+class LoadAwareConfig(_Strict):
+    """Live load moves the classifier's threshold: a busy large model sends borderline requests small."""
+
+    enabled: bool = True
+    gain: float = Field(0.3, ge=0, le=1, description="threshold shift at full pressure difference")
+    ttft_slo_ms: float = Field(1000.0, gt=0, description="a stage whose recent TTFT reaches this is at pressure 1")
+    large_capacity: int = Field(2, ge=1, description="requests in flight at which the large model is at pressure 1")
+    small_capacity: int = Field(4, ge=1, description="requests in flight at which the small model is at pressure 1")
+    ttft_half_life_s: float = Field(5.0, gt=0, description="how fast an old TTFT reading fades")
+
+
+class RouterConfig(_Strict):
+    """Which model answers a request sent to `auto_model_id`; an explicit model is always honored."""
+
+    kind: Literal["rules", "classifier"] = Field(
+        "classifier", description="classifier: learned on the shared embedding; rules: length/depth/keywords"
+    )
     placement: Literal["inline", "remote"] = Field(
         "inline",
         description="inline: the ingress routes in-process (microseconds, no hop); remote: ask the Router deployment",
     )
     auto_model_id: str = "auto"
-    small_max_prompt_tokens: int = Field(256, ge=0)
-    small_max_output_tokens: int = Field(128, ge=0)
+    small_max_prompt_tokens: int = Field(256, ge=0, description="longer prompts go to the large model")
+    small_max_output_tokens: int = Field(128, ge=0, description="a requested max_tokens above this goes large")
     small_max_turns: int = Field(4, ge=0, description="user turns in the conversation")
     hard_keywords: list[str] = Field(
-        default_factory=lambda: ["prove", "step by step", "explain why", "derive", "code", "analyze", "compare"]
+        default_factory=lambda: ["prove", "step by step", "explain why", "derive", "code", "analyze", "compare"],
+        description="kind: rules only",
     )
+    classifier: ClassifierConfig = ClassifierConfig()
+    load_aware: LoadAwareConfig = LoadAwareConfig()
 
 
 class VectorStoreConfig(_Strict):

@@ -94,7 +94,7 @@ class Ingress:
             cache, router, {config.target.engine.model_id: target, config.draft.engine.model_id: draft}
         )
         embedder = None
-        if config.cache.enabled and config.cache.semantic.enabled:
+        if (config.cache.enabled and config.cache.semantic.enabled) or config.router.kind == "classifier":
             # One MiniLM per ingress replica: the request's embedding is made here, once, and
             # shared by the cache lookup and the router. Loaded off the event loop.
             from semantic_cache.embedder import Embedder

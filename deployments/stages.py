@@ -11,7 +11,7 @@ from ray import serve
 from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
 from router.base import RouteDecision, RouteFeatures
-from router.rules import RuleRouter
+from router.factory import make_router
 from semantic_cache.cache import CacheEntry, Lookup, ResponseCache
 from semantic_cache.embedder import DIMENSIONS
 from semantic_cache.exact import CachedResponse
@@ -75,7 +75,7 @@ class SemanticCache:
 @serve.deployment(name="Router")
 class Router:
     def __init__(self, args: dict, large_model_id: str, small_model_id: str) -> None:
-        self.router = RuleRouter(RouterConfig.model_validate(args), large_model_id, small_model_id)
+        self.router = make_router(RouterConfig.model_validate(args), large_model_id, small_model_id)
 
     async def route(self, features: RouteFeatures) -> RouteDecision:
         return self.router.route(features)

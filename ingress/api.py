@@ -47,6 +47,7 @@ def build_api(pipeline: Pipeline) -> FastAPI:
                     "max_inflight": gate.max_inflight,
                     "max_queued": gate.max_queued,
                 },
+                "router": pipeline.router_stats(),
             },
         )
 

@@ -2,9 +2,11 @@
 
     HTTP body ─► validate (400/413) ─► tokenize once (400 if it can't fit)
               ─► admission gate, in-process, no hop (503 + Retry-After)
-              ─► cache lookup ║ routing (in-process rules: microseconds)
+              ─► cache lookup ║ routing
                    lookup = exact-match hop; on a miss, MiniLM embedding (ingress thread,
                             once per request) and a semantic hop (Qdrant)
+                   routing = rules, then the difficulty classifier on that same embedding,
+                             its threshold shifted by live load (in-process: microseconds)
               ─► hit: answer now (x-cache: hit); near miss: its answer rides along as a
                  speculative draft (x-cache: hint); miss: generate
               ─► identical requests already in flight share that generation (single-flight)
@@ -40,7 +42,8 @@ from ingress.prompts import PromptBuilder
 from ingress.protocol import ChatCompletionRequest, CompletionRequest
 from ingress.responses import Kind, SSEWriter, full_response
 from router.base import RouteDecision, RouteFeatures
-from router.rules import RuleRouter
+from router.factory import make_router
+from router.load import LoadTracker
 from semantic_cache.cache import CacheEntry, Lookup
 from semantic_cache.exact import CachedResponse, ExactCache
 from semantic_cache.keys import exact_key, scope_key, split_query
@@ -85,7 +88,9 @@ class Prepared:
     scope: str | None  # semantic scope (None: exact match only)
     query: str | None  # the last user turn, what the semantic lookup compares
     tokenize: Callable[[PromptBuilder], list[int]]  # re-tokenize for another model's tokenizer
-    vector: Any = None  # the request's embedding, once computed (shared with routing)
+    vector: Any = None  # the request's embedding, once computed (shared by cache and router)
+    vector_task: asyncio.Future | None = None  # computing it: whoever asks first starts it
+    exact_done: asyncio.Event = field(default_factory=asyncio.Event)  # the exact-match phase is over
     coalesced: bool = False  # follows an identical generation already in flight
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -95,11 +100,18 @@ class Permit:
 
     def __init__(self, gate: AdmissionGate) -> None:
         self._gate: AdmissionGate | None = gate
+        self._also: list[Callable[[], None]] = []
+
+    def also(self, callback: Callable[[], None]) -> None:
+        """Run this on release too (the router's in-flight count of the model)."""
+        self._also.append(callback)
 
     def release(self) -> None:
         if self._gate is not None:
             self._gate.release()
             self._gate = None
+            for callback in self._also:
+                callback()
 
 
 class Pipeline:
@@ -108,7 +120,7 @@ class Pipeline:
     ) -> None:
         self.args = args
         self.backends = backends
-        self.embedder = embedder if args.cache.semantic.enabled else None
+        self.embedder = embedder  # shared by the semantic cache and the classifier router
         self.flights = Flights()
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
@@ -123,9 +135,11 @@ class Pipeline:
         adm = args.admission
         self.gate = AdmissionGate(adm.max_inflight, adm.max_queued, adm.retry_after_s)
         self.ready = True  # the deployment sets False until its downstream stages answer
-        self.local_router = None
-        if args.router.placement == "inline":
-            self.local_router = RuleRouter(args.router, args.target.engine.model_id, args.draft.engine.model_id)
+        large, small = args.target.engine.model_id, args.draft.engine.model_id
+        # Built here even with placement: remote, to know which requests need the embedding.
+        self.router = make_router(args.router, large, small)
+        self.load = LoadTracker(args.router.load_aware, large, small)
+        self.route_counts: dict[str, int] = {}  # "model/reason" -> requests
 
     # ------------------------------------------------------------------ entry points
 
@@ -241,7 +255,7 @@ class Pipeline:
             sampling=sampling,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            features=RouteFeatures(req.model, len(prompt_ids), max_tokens, user_turns, last_user[-2000:]),
+            features=RouteFeatures(req.model, len(prompt_ids), req.output_limit or 0, user_turns, last_user[-2000:]),
             cache_key=cache_key,
             scope=scope,
             query=query,
@@ -287,19 +301,25 @@ class Pipeline:
         p.timings["admit"] = _ms(start)
         stream: ModelStream | None = None
         lookup: asyncio.Future | None = None
+        routing: asyncio.Future | None = None
         first_chunk: asyncio.Future | None = None
         cache_state = "miss" if p.cache_key and not ctx.no_cache else "bypass"
         hint: Lookup | None = None
         try:
             if p.cache_key is not None and not ctx.no_cache:
                 lookup = asyncio.ensure_future(self._lookup(p))
-            decision = await self._route(p)  # in parallel with the lookup
+            else:
+                p.exact_done.set()
+            routing = asyncio.ensure_future(self._route(p))  # in parallel with the lookup
             if lookup is not None and not self.args.ingress.overlap_cache_lookup:
                 found, lookup = await lookup, None
                 if found.outcome == "hit":
+                    routing.cancel()
                     permit.release()
                     return self._cached(p, found)
                 hint = found if found.outcome == "hint" else None
+            decision = await routing
+            self._count_route(decision)
             builder = self.prompts[decision.model_id]
             if builder is not self.prompts[p.requested_model]:
                 p.prompt_ids = p.tokenize(builder)  # the routed model speaks another vocabulary
@@ -310,6 +330,9 @@ class Pipeline:
                 generate.draft_hint_ids = builder.tokenizer.encode(hint.response.text, add_special_tokens=False)
                 cache_state = "hint"
             stream = self._start(decision.model_id, generate, p)
+            if not p.coalesced:  # a follower adds no load to the model
+                self.load.started(decision.model_id)
+                permit.also(lambda: self.load.finished(decision.model_id))
             first_chunk = asyncio.ensure_future(self._next(stream, p))
             if lookup is not None:  # the model is already on its way; a hit calls it off
                 found, lookup = await lookup, None
@@ -321,6 +344,8 @@ class Pipeline:
                     return self._cached(p, found)
             first = await first_chunk
             p.timings["ttft"] = _ms(start)
+            if not p.coalesced:
+                self.load.observe_ttft(decision.model_id, p.timings["ttft"])
             for name in ("engine_queue", "prefill"):
                 if name in first.timings_ms:
                     p.timings[name] = first.timings_ms[name]
@@ -349,7 +374,7 @@ class Pipeline:
         except BaseException:
             # Error, timeout or client gone (CancelledError): free the slot, stop the model.
             permit.release()
-            for pending in (lookup, first_chunk):
+            for pending in (lookup, routing, first_chunk):
                 if pending is not None and not pending.done():
                     pending.cancel()
             if stream is not None:
@@ -378,12 +403,15 @@ class Pipeline:
                 if near is not None:
                     p.timings["cache_near"] = _ms(t)
                     return Lookup("hit", near, 1.0, "exact_near")
-            exact = await asyncio.wait_for(self.backends.cache_lookup(p.cache_key), self._stage_timeout(p))
+            try:
+                exact = await asyncio.wait_for(self.backends.cache_lookup(p.cache_key), self._stage_timeout(p))
+            finally:
+                p.exact_done.set()  # a router waiting for the embedding may start it now
             p.timings["cache_exact"] = _ms(t)
             if exact is not None:
                 self._remember(p, exact)
                 return Lookup("hit", exact, 1.0, "exact")
-            if self.embedder is None or p.scope is None:
+            if self.embedder is None or p.scope is None or not self.args.cache.semantic.enabled:
                 return Lookup("miss", reason="no_semantic")
             vector = await self._embed(p)
             t_sim = time.perf_counter()
@@ -405,25 +433,49 @@ class Pipeline:
             self.near_cache.put(p.cache_key, p.ctx.tenant, response)
 
     async def _embed(self, p: Prepared) -> Any:
+        """The request's embedding, computed once whoever asks first (cache or router)."""
+        if p.vector_task is None:
+            p.vector_task = asyncio.ensure_future(self._compute_embedding(p))
+        # Shielded: a caller giving up (a cancelled route) must not cancel it for the other.
+        return await asyncio.shield(p.vector_task)
+
+    async def _compute_embedding(self, p: Prepared) -> Any:
         t = time.perf_counter()
-        p.vector = await self.embedder.embed_async(p.query)  # type: ignore[union-attr]
+        text = p.query if p.query is not None else p.features.last_user_message
+        p.vector = await self.embedder.embed_async(text)  # type: ignore[union-attr]
         p.timings["embed"] = _ms(t)
         return p.vector
 
     async def _route(self, p: Prepared) -> RouteDecision:
-        t = time.perf_counter()
+        features = p.features
         try:
-            if self.local_router is not None:
-                return self.local_router.route(p.features)
-            return await asyncio.wait_for(self.backends.route(p.features), self._stage_timeout(p))
+            features.threshold_shift = self.load.threshold_shift()
+            if self.embedder is not None and features.last_user_message and self.router.wants_embedding(features):
+                # Share the cache's embedding: it starts right after the exact-match hop, and
+                # starting a second encode beside that hop would slow both on a small box.
+                await asyncio.wait_for(p.exact_done.wait(), self._stage_timeout(p))
+                features.vector = await asyncio.wait_for(self._embed(p), self._stage_timeout(p))
+            t = time.perf_counter()
+            try:
+                if self.args.router.placement == "inline":
+                    return self.router.route(features)
+                return await asyncio.wait_for(self.backends.route(features), self._stage_timeout(p))
+            finally:
+                p.timings["route"] = _ms(t)  # the routing itself, beyond the shared embedding
         except Exception as exc:  # router down: the target can answer anything
             log.warning("router failed, using the target model: %r", exc)
             fallback = p.requested_model
             if fallback == self.args.router.auto_model_id:
                 fallback = self.args.target.engine.model_id
             return RouteDecision(fallback, "router_unavailable")
-        finally:
-            p.timings["route"] = _ms(t)
+
+    def _count_route(self, decision: RouteDecision) -> None:
+        key = f"{decision.model_id}/{decision.reason}"
+        self.route_counts[key] = self.route_counts.get(key, 0) + 1
+
+    def router_stats(self) -> dict[str, Any]:
+        downgrades = sum(n for k, n in self.route_counts.items() if k.endswith("/load_downgrade"))
+        return {"routes": dict(self.route_counts), "load_downgrades": downgrades, "load": self.load.snapshot()}
 
     def _stage_timeout(self, p: Prepared) -> float:
         return max(0.001, p.ctx.remaining_s(self.args.ingress.stage_timeout_s))
@@ -490,6 +542,7 @@ class Pipeline:
         hit = found.response
         assert hit is not None
         decision = RouteDecision(hit.model_id, "cache")
+        self._count_route(decision)
         headers = self._headers(p, decision, "hit")
         headers["x-cache-match"] = f"{found.reason};score={found.score or 0:.3f}"
         headers["server-timing"] = _server_timing(p.timings)
@@ -526,7 +579,7 @@ class Pipeline:
         # x-request-id is echoed by Ray Serve's proxy itself; we reuse its value for our ids.
         return {
             "x-cache": cache,
-            "x-route": f"{decision.model_id};reason={decision.reason}",
+            "x-route": decision.header(),
         }
 
 

@@ -59,6 +59,14 @@ def tokenizer(serve_file):
 
 
 @pytest.fixture(scope="session")
+def embedder():
+    """The real MiniLM (shared by the cache and router tests)."""
+    from semantic_cache.embedder import Embedder
+
+    return Embedder()
+
+
+@pytest.fixture(scope="session")
 def service(serve_file):
     def tighten(args):
         args.admission.max_inflight = TEST_MAX_INFLIGHT

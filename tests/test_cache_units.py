@@ -20,13 +20,6 @@ from semantic_cache.keys import scope_key, split_query
 from semantic_cache.store import make_store
 
 
-@pytest.fixture(scope="module")
-def embedder():
-    from semantic_cache.embedder import Embedder
-
-    return Embedder()
-
-
 @pytest.mark.parametrize(
     "cached, query, reason",
     [

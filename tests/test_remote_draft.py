@@ -70,11 +70,12 @@ def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
             c.choices[0].delta.content or "" for c in remote.chat.completions.create(stream=True, **kwargs) if c.choices
         )
         assert streamed == expected, f"remote {streamed!r} != colocated {expected!r}"
-    # Remote routing: `auto` still routes by the rules, through a hop.
+    # Remote routing: `auto` is decided by the Router deployment, the embedding sent along.
     routed = remote.chat.completions.with_raw_response.create(
-        model="auto", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4, extra_headers=NO_CACHE
+        model="auto", messages=[{"role": "user", "content": "What is the capital of Japan?"}], max_tokens=4,
+        extra_headers=NO_CACHE,
     )
-    assert routed.headers["x-route"].endswith(";reason=simple")
+    assert routed.headers["x-route"].startswith("smollm2-135m-instruct-q4;reason=classifier_easy;p_hard=")
     # With overlap, a repeat is still a cache hit (the model call is cancelled).
     cached = dict(model=TARGET, messages=[{"role": "user", "content": "Name a color."}], temperature=0, max_tokens=6)
     remote.chat.completions.create(**cached)

@@ -189,21 +189,50 @@ def test_exact_cache_hit_on_repeat_and_tenant_isolation(service):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == first.parse().choices[0].message.content
 
 
-def test_auto_model_routes_by_rules(service):
+def test_auto_model_routes_by_difficulty(service):
+    """`auto`: the classifier on the shared MiniLM embedding picks the model; the decision,
+    its score and reason show in x-route, and the counts on /health."""
     client = service.openai()
+    before = service.http.get("/health").json()["router"]["routes"]
     easy = client.chat.completions.with_raw_response.create(
-        model="auto", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, extra_headers=NO_CACHE
+        model="auto", messages=[{"role": "user", "content": "What is the capital of Peru?"}], max_tokens=8,
+        extra_headers=NO_CACHE,
     )
-    assert easy.headers["x-route"] == f"{SMALL};reason=simple"
+    model, reason, p_hard, threshold = _route(easy.headers["x-route"])
+    assert (model, reason) == (SMALL, "classifier_easy") and p_hard < threshold
     assert easy.parse().model == SMALL
+    assert "embed;dur=" in easy.headers["server-timing"], "no-cache: the router computes the embedding itself"
     hard = client.chat.completions.with_raw_response.create(
         model="auto",
-        messages=[{"role": "user", "content": "Explain why the sky is blue, step by step."}],
+        messages=[{"role": "user", "content": "Write a Go program that merges overlapping intervals, with tests."}],
         max_tokens=8,
         extra_headers=NO_CACHE,
     )
-    assert hard.headers["x-route"] == f"{TARGET};reason=hard_keyword"
+    model, reason, p_hard, threshold = _route(hard.headers["x-route"])
+    assert (model, reason) == (TARGET, "classifier_hard") and p_hard >= threshold
+    # Rules the classifier can't overturn: a long requested output goes to the large model.
+    long = client.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": "Hi!"}], max_tokens=200, extra_headers=NO_CACHE,
+        stream=True,
+    )
+    assert long.headers["x-route"] == f"{TARGET};reason=long_output"
+    long.parse().close()
+    # A cacheable request: the router uses the embedding the cache lookup made.
+    shared = client.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": "Name three noble gases, please."}], max_tokens=8,
+        temperature=0,
+    )
+    assert shared.headers["x-cache"] == "miss" and _route(shared.headers["x-route"])[0] == SMALL
+    after = service.http.get("/health").json()["router"]["routes"]
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert grew[f"{SMALL}/classifier_easy"] >= 2 and grew[f"{TARGET}/classifier_hard"] >= 1
     assert service.model_stats("DraftModel")["requests_finished"] >= 1
+
+
+def _route(header: str) -> tuple[str, str, float, float]:
+    model, *parts = header.split(";")
+    fields = dict(part.split("=", 1) for part in parts)
+    return model, fields["reason"], float(fields.get("p_hard", "nan")), float(fields.get("threshold", "nan"))
 
 
 # --------------------------------------------------------------------------- bad input

@@ -1,0 +1,150 @@
+"""Routers without Ray: the labeled set, the classifier and its shipped weights, load shifts,
+and the ingress sharing one embedding between the cache and the router."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from configs.schemas import ClassifierConfig, LoadAwareConfig, RouterConfig
+from router.base import RouteFeatures
+from router.classifier import DifficultyClassifier
+from router.dataset import CATEGORIES, examples, fingerprint
+from router.learned import ClassifierRouter
+from router.load import LoadTracker
+
+
+def test_labeled_set_is_deterministic_and_held_out_by_template():
+    train, test = examples("train"), examples("test")
+    assert examples() == examples() and len(train) + len(test) == len(examples())
+    assert not {e.text for e in train} & {e.text for e in test}
+    for category in list(CATEGORIES) + ["written"]:
+        splits = {e.split for e in examples() if e.category == category}
+        assert splits == {"train", "test"}, category
+    for part in (train, test):
+        hard = sum(e.hard for e in part) / len(part)
+        assert 0.4 < hard < 0.6, "both classes in every split, roughly balanced"
+
+
+def test_classifier_fits_saves_and_loads(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 8))
+    y = x[:, 0] + 0.5 * x[:, 1] > 0
+    model = DifficultyClassifier.fit(x, y, l2=0.1)
+    assert np.mean((model.p_hard_many(x) >= 0.5) == y) > 0.95
+    model.meta = {"note": "t"}
+    model.save(tmp_path / "w.json")
+    loaded = DifficultyClassifier.load(tmp_path / "w.json")
+    assert loaded.meta == {"note": "t"}
+    assert abs(loaded.p_hard(x[0].astype(np.float32)) - model.p_hard(x[0])) < 1e-5
+    with pytest.raises(FileNotFoundError, match="router.train"):
+        DifficultyClassifier.load(tmp_path / "missing.json")
+
+
+def test_shipped_weights_match_the_labeled_set_and_clear_the_bar(embedder):
+    model = DifficultyClassifier.load()
+    assert model.meta["dataset"].endswith(fingerprint()), "router/dataset.py changed: run `python -m router.train`"
+    test = examples("test")
+    p = model.p_hard_many(embedder.embed_many([e.text for e in test]))
+    accuracy = float(np.mean((p >= 0.5) == np.array([e.hard for e in test])))
+    assert accuracy >= 0.85, accuracy
+
+
+def _features(**kw) -> RouteFeatures:
+    f = dict(requested_model="auto", prompt_tokens=10, max_tokens=0, user_turns=1, last_user_message="hi")
+    f.update(kw)
+    return RouteFeatures(**f)
+
+
+def test_classifier_router_rules_scores_and_load_shift():
+    # A one-feature classifier: p_hard = sigmoid(4 * v[0]), so v[0] = 0 sits exactly at 0.5.
+    clf = DifficultyClassifier(np.array([4.0, 0.0], dtype=np.float32), 0.0)
+    config = RouterConfig(classifier=ClassifierConfig(threshold=0.5, min_threshold=0.2, max_threshold=0.8))
+    router = ClassifierRouter(config, "large", "small", clf)
+    easy, borderline_hard = np.array([-1.0, 0.0]), np.array([0.2, 0.0])  # p = 0.018, 0.69
+    assert router.route(_features(vector=easy)).reason == "classifier_easy"
+    d = router.route(_features(vector=borderline_hard))
+    assert (d.model_id, d.reason, d.threshold) == ("large", "classifier_hard", 0.5)
+    assert d.header().startswith("large;reason=classifier_hard;p_hard=0.69")
+    # The large model is busy: the threshold rises and the borderline request goes small.
+    d = router.route(_features(vector=borderline_hard, threshold_shift=0.25))
+    assert (d.model_id, d.reason, d.threshold) == ("small", "load_downgrade", 0.75)
+    # Clamped: even a huge shift keeps clearly hard requests on the large model.
+    assert router.route(_features(vector=np.array([2.0, 0.0]), threshold_shift=5)).reason == "classifier_hard"
+    # The small model is busy: borderline-easy requests go large.
+    d = router.route(_features(vector=np.array([-0.1, 0.0]), threshold_shift=-0.25))
+    assert (d.model_id, d.reason) == ("large", "load_upgrade")
+    # Rules first, without asking for an embedding; no embedding at all means the safe choice.
+    assert not router.wants_embedding(_features(requested_model="small"))
+    assert router.route(_features(requested_model="small")).reason == "explicit"
+    assert router.route(_features(max_tokens=500)).reason == "long_output"
+    assert router.wants_embedding(_features())
+    assert router.route(_features()).reason == "no_embedding"
+
+
+def test_load_tracker_shifts_toward_the_idle_stage(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("router.load.time.monotonic", lambda: now[0])
+    tracker = LoadTracker(LoadAwareConfig(gain=0.3, large_capacity=2, small_capacity=4, ttft_slo_ms=1000), "L", "S")
+    assert tracker.threshold_shift() == 0
+    tracker.started("L")
+    tracker.started("L")  # 2 in flight = capacity: pressure 1 against 0
+    assert tracker.threshold_shift() == pytest.approx(0.3)
+    tracker.finished("L")
+    tracker.finished("L")
+    tracker.observe_ttft("S", 10_000)  # the small model is very slow: shift the other way
+    assert tracker.threshold_shift() < 0
+    now[0] += 60  # a stale reading fades: no traffic is no evidence of slowness
+    assert abs(tracker.threshold_shift()) < 0.01
+    off = LoadTracker(LoadAwareConfig(enabled=False), "L", "S")
+    off.started("L")
+    assert off.threshold_shift() == 0
+    tracker.finished("unknown-model")  # explicit models outside the pair are ignored
+
+
+def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokenizer, embedder):
+    """The router waits for the exact-match phase, then shares the cache's embedding."""
+    from ingress.context import context_from_headers
+    from ingress.pipeline import Pipeline
+    from ingress.prompts import PromptBuilder
+    from semantic_cache.cache import Lookup
+
+    class Counting:
+        def __init__(self) -> None:
+            self.texts: list[str] = []
+
+        async def embed_async(self, text: str):
+            self.texts.append(text)
+            return await embedder.embed_async(text)
+
+    class Backends:
+        async def cache_lookup(self, key):
+            await asyncio.sleep(0.01)
+            return None
+
+        async def cache_similar(self, scope, vector, query):
+            return Lookup("miss")
+
+    args = serve_file.args
+    builder = PromptBuilder(tokenizer)
+    prompts = {args.target.engine.model_id: builder, args.draft.engine.model_id: builder, "auto": builder}
+    counting = Counting()
+    pipeline = Pipeline(args, Backends(), prompts, counting)  # type: ignore[arg-type]
+
+    async def both(question: str, headers: dict) -> tuple:
+        body = {"model": "auto", "messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0}
+        p = pipeline._prepare("chat", body, context_from_headers(headers))
+        if p.cache_key is None or p.ctx.no_cache:
+            p.exact_done.set()
+            return None, await pipeline._route(p), p
+        found, decision = await asyncio.gather(pipeline._lookup(p), pipeline._route(p))
+        return found, decision, p
+
+    found, decision, p = asyncio.run(both("What is the capital of Kenya?", {}))
+    assert found.outcome == "miss" and decision.reason == "classifier_easy"
+    assert counting.texts == ["What is the capital of Kenya?"], "one embedding, shared"
+    assert "route" in p.timings and "embed" in p.timings
+    _, decision, _ = asyncio.run(both("Prove that there are infinitely many primes.", {"cache-control": "no-cache"}))
+    assert decision.reason == "classifier_hard" and len(counting.texts) == 2
