@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import statistics
 import time
@@ -90,7 +91,10 @@ async def _closed_loop(base: str, model: str, conversations: list, concurrency: 
             )
             first = None
             tokens = 0
-            async for chunk in await raw.parse():
+            stream = raw.parse()
+            if inspect.isawaitable(stream):  # differs between openai SDK versions
+                stream = await stream
+            async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     first = first or time.perf_counter()
                     tokens += 1

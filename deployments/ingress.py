@@ -7,6 +7,7 @@ import os
 
 from fastapi import FastAPI
 from ray import serve
+from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
 
 from admission.sync import AdmissionSync
@@ -101,6 +102,12 @@ class Ingress:
 
             embedder = await asyncio.get_running_loop().run_in_executor(None, Embedder)
         self.pipeline = Pipeline(config, backends, _prompt_builders(config), embedder)
+        # Route counts on Ray's Prometheus endpoint (tags: model, reason; reason=load_downgrade
+        # counts downgrades). The same counts are on /health for this replica.
+        routes = metrics.Counter(
+            "llm_router_requests", description="Requests by routed model and reason", tag_keys=("model", "reason")
+        )
+        self.pipeline.on_route = lambda d: routes.inc(tags={"model": d.model_id, "reason": d.reason})
         replica_id = f"{os.getpid()}-{id(self)}"
         try:
             replica_id = serve.get_replica_context().replica_id.unique_id

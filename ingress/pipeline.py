@@ -140,6 +140,7 @@ class Pipeline:
         self.router = make_router(args.router, large, small)
         self.load = LoadTracker(args.router.load_aware, large, small)
         self.route_counts: dict[str, int] = {}  # "model/reason" -> requests
+        self.on_route: Callable[[RouteDecision], None] | None = None  # the deployment's metrics hook
 
     # ------------------------------------------------------------------ entry points
 
@@ -472,6 +473,11 @@ class Pipeline:
     def _count_route(self, decision: RouteDecision) -> None:
         key = f"{decision.model_id}/{decision.reason}"
         self.route_counts[key] = self.route_counts.get(key, 0) + 1
+        if self.on_route is not None:
+            try:
+                self.on_route(decision)
+            except Exception as exc:  # metrics never fail a request
+                log.debug("route metric failed: %r", exc)
 
     def router_stats(self) -> dict[str, Any]:
         downgrades = sum(n for k, n in self.route_counts.items() if k.endswith("/load_downgrade"))
