@@ -105,6 +105,13 @@ def http_latency(requests: int, max_tokens: int) -> dict:
     model = serve_file.args.target.engine.model_id
     pairs = PARAPHRASES[:requests]
     miss, exact, semantic, outcomes = [], [], [], {"semantic_hit": 0, "hint": 0, "miss": 0}
+    stages: dict[str, dict[str, list[float]]] = {"exact_hit": {}, "semantic_hit": {}}
+
+    def timing(kind: str, resp: httpx.Response) -> None:
+        for part in resp.headers.get("server-timing", "").split(","):
+            if ";dur=" in part:
+                name, dur = part.strip().split(";dur=")
+                stages[kind].setdefault(name, []).append(float(dur))
 
     def ask(client: httpx.Client, text: str) -> tuple[float, httpx.Response]:
         body = {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
@@ -125,14 +132,17 @@ def http_latency(requests: int, max_tokens: int) -> dict:
             ms, resp = ask(client, original)
             if resp.headers["x-cache"] == "hit":
                 exact.append(ms)
+                timing("exact_hit", resp)
             ms, resp = ask(client, paraphrase)
             if resp.headers["x-cache"] == "hit":
                 semantic.append(ms)
                 outcomes["semantic_hit"] += 1
+                timing("semantic_hit", resp)
             else:
                 outcomes[resp.headers["x-cache"]] = outcomes.get(resp.headers["x-cache"], 0) + 1
     return {"miss_ms": summary(miss), "exact_hit_ms": summary(exact), "semantic_hit_ms": summary(semantic),
-            "paraphrase_outcomes": outcomes}
+            "paraphrase_outcomes": outcomes,
+            "server_timing_p50_ms": {kind: {name: summary(v)["p50"] for name, v in by.items()} for kind, by in stages.items()}}
 
 
 def near_miss_speedup(pairs_n: int, max_tokens: int) -> dict:

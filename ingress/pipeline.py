@@ -1,14 +1,16 @@
 """One request, top to bottom. Read this file to follow a request through the service.
 
-    HTTP body ─► validate (400/413) ─► tokenize once (400 if it can't fit)
-              ─► admission gate, in-process, no hop (503 + Retry-After)
-              ─► cache lookup ║ routing
+    HTTP body ─► validate (400/413), cache key
+              ─► a repeat this replica answered lately: answer now (no tokenizer, no hop)
+              ─► cache lookup ║ tokenize once (400 if it can't fit) ║ routing
                    lookup = exact-match hop; on a miss, MiniLM embedding (ingress thread,
                             once per request) and a semantic hop (Qdrant)
                    routing = rules, then the difficulty classifier on that same embedding,
                              its threshold shifted by live load (in-process: microseconds)
-              ─► hit: answer now (x-cache: hit); near miss: its answer rides along as a
-                 speculative draft (x-cache: hint); miss: generate
+              ─► hit: answer now (x-cache: hit), taking no admission slot
+              ─► admission gate, in-process, no hop (503 + Retry-After)
+              ─► near miss: its answer rides along as a speculative draft (x-cache: hint);
+                 miss: generate
               ─► identical requests already in flight share that generation (single-flight)
               ─► stream from the model
               ─► cache write, after a complete answer, off the request path
@@ -78,9 +80,9 @@ class Prepared:
 
     kind: Kind
     ctx: RequestContext
+    request: ChatCompletionRequest | CompletionRequest
     requested_model: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
+    sampling: SamplingParams  # max_tokens is set by _tokenize, from the prompt's length
     stream: bool
     include_usage: bool
     features: RouteFeatures
@@ -88,6 +90,7 @@ class Prepared:
     scope: str | None  # semantic scope (None: exact match only)
     query: str | None  # the last user turn, what the semantic lookup compares
     tokenize: Callable[[PromptBuilder], list[int]]  # re-tokenize for another model's tokenizer
+    prompt_ids: list[int] = field(default_factory=list)  # filled by _tokenize
     vector: Any = None  # the request's embedding, once computed (shared by cache and router)
     vector_task: asyncio.Future | None = None  # computing it: whoever asks first starts it
     exact_done: asyncio.Event = field(default_factory=asyncio.Event)  # the exact-match phase is over
@@ -216,7 +219,6 @@ class Pipeline:
             tokenize = lambda b: b.chat(req.messages)  # noqa: E731
         else:
             tokenize = lambda b: b.completion(req.prompt)  # noqa: E731
-        prompt_ids = tokenize(self.prompts[req.model])
         if kind == "chat":
             turns = [{"role": m.role, "content": m.text()} for m in req.messages]
             users = [t["content"] for t in turns if t["role"] == "user"]
@@ -224,11 +226,8 @@ class Pipeline:
         else:
             turns = [{"role": "prompt", "content": json.dumps(req.prompt)}]
             last_user, user_turns = (req.prompt if isinstance(req.prompt, str) else ""), 1
-        if not prompt_ids:
-            raise bad_request("the prompt is empty", "messages" if kind == "chat" else "prompt")
-        max_tokens = self._output_budget(req, len(prompt_ids))
         sampling = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=0,  # the budget needs the prompt's length: _tokenize sets it
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             stop=tuple(req.stop),
@@ -238,7 +237,9 @@ class Pipeline:
         # Only greedy answers are reproducible, so only they are cached unless the client opts in.
         cache = self.args.cache
         if cache.enabled and (sampling.greedy or (cache.sampled_opt_in and ctx.cache_sampled)):
-            sampling_key = {"max_tokens": max_tokens, "stop": list(sampling.stop), "top_p": sampling.top_p}
+            # The *requested* max_tokens: the same conversation always gets the same budget, and
+            # the key is known before tokenizing, so a repeat never pays for the tokenizer.
+            sampling_key = {"max_tokens": req.output_limit, "stop": list(sampling.stop), "top_p": sampling.top_p}
             if not sampling.greedy:
                 sampling_key.update(temperature=sampling.temperature, seed=sampling.seed)
             model_key = f"{kind}:{req.model}"
@@ -251,17 +252,27 @@ class Pipeline:
         return Prepared(
             kind=kind,
             ctx=ctx,
+            request=req,
             requested_model=req.model,
-            prompt_ids=prompt_ids,
             sampling=sampling,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            features=RouteFeatures(req.model, len(prompt_ids), req.output_limit or 0, user_turns, last_user[-2000:]),
+            features=RouteFeatures(req.model, 0, req.output_limit or 0, user_turns, last_user[-2000:]),
             cache_key=cache_key,
             scope=scope,
             query=query,
             tokenize=tokenize,
         )
+
+    def _tokenize(self, p: Prepared) -> None:
+        """Prompt ids and the output budget; 400 when the prompt is empty or can't fit."""
+        t = time.perf_counter()
+        p.prompt_ids = p.tokenize(self.prompts[p.requested_model])
+        if not p.prompt_ids:
+            raise bad_request("the prompt is empty", "messages" if p.kind == "chat" else "prompt")
+        p.sampling.max_tokens = self._output_budget(p.request, len(p.prompt_ids))
+        p.features.prompt_tokens = len(p.prompt_ids)
+        p.timings["tokenize"] = _ms(t)
 
     def _output_budget(self, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> int:
         window = self.max_model_len[req.model]
@@ -288,37 +299,35 @@ class Pipeline:
     async def _serve(self, p: Prepared) -> Response:
         ctx = p.ctx
         start = time.perf_counter()
-        try:
-            await self.gate.acquire(ctx.remaining_s(self.args.admission.default_queue_timeout_s))
-        except Rejection as rej:
-            raise APIError(
-                503,
-                rej.message,
-                code=rej.reason,
-                headers={"Retry-After": str(rej.retry_after_s)},
-                extra={"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": ctx.tier},
-            ) from None
-        permit = Permit(self.gate)
-        p.timings["admit"] = _ms(start)
+        use_cache = p.cache_key is not None and not ctx.no_cache
+        if use_cache and self.near_cache is not None:
+            # A repeat this replica answered lately: no tokenizer, no admission slot, no hop.
+            near = self.near_cache.get(p.cache_key)
+            if near is not None:
+                p.timings["cache_near"] = p.timings["cache"] = _ms(start)
+                return self._cached(p, Lookup("hit", near, 1.0, "exact_near"))
+        permit: Permit | None = None
         stream: ModelStream | None = None
         lookup: asyncio.Future | None = None
         routing: asyncio.Future | None = None
         first_chunk: asyncio.Future | None = None
-        cache_state = "miss" if p.cache_key and not ctx.no_cache else "bypass"
+        cache_state = "miss" if use_cache else "bypass"
         hint: Lookup | None = None
         try:
-            if p.cache_key is not None and not ctx.no_cache:
+            if use_cache:
                 lookup = asyncio.ensure_future(self._lookup(p))
+                await asyncio.sleep(0)  # let the exact-match hop leave, then tokenize while it flies
             else:
                 p.exact_done.set()
+            self._tokenize(p)
             routing = asyncio.ensure_future(self._route(p))  # in parallel with the lookup
             if lookup is not None and not self.args.ingress.overlap_cache_lookup:
                 found, lookup = await lookup, None
-                if found.outcome == "hit":
+                if found.outcome == "hit":  # hits take no admission slot: they are served even at capacity
                     routing.cancel()
-                    permit.release()
                     return self._cached(p, found)
                 hint = found if found.outcome == "hint" else None
+            permit = await self._admit(p)
             decision = await routing
             self._count_route(decision)
             builder = self.prompts[decision.model_id]
@@ -374,13 +383,29 @@ class Pipeline:
             return StreamingResponse(_prepend(head, body_iter), media_type="text/event-stream", headers=headers)
         except BaseException:
             # Error, timeout or client gone (CancelledError): free the slot, stop the model.
-            permit.release()
+            if permit is not None:
+                permit.release()
             for pending in (lookup, routing, first_chunk):
                 if pending is not None and not pending.done():
                     pending.cancel()
             if stream is not None:
                 stream.cancel()
             raise
+
+    async def _admit(self, p: Prepared) -> Permit:
+        t = time.perf_counter()
+        try:
+            await self.gate.acquire(p.ctx.remaining_s(self.args.admission.default_queue_timeout_s))
+        except Rejection as rej:
+            raise APIError(
+                503,
+                rej.message,
+                code=rej.reason,
+                headers={"Retry-After": str(rej.retry_after_s)},
+                extra={"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": p.ctx.tier},
+            ) from None
+        p.timings["admit"] = _ms(t)
+        return Permit(self.gate)
 
     def _start(self, model_id: str, request: GenerateRequest, p: Prepared) -> ModelStream:
         """Start generating, or join an identical generation already in flight."""
@@ -399,11 +424,6 @@ class Pipeline:
         """
         t = time.perf_counter()
         try:
-            if self.near_cache is not None:
-                near = self.near_cache.get(p.cache_key)
-                if near is not None:
-                    p.timings["cache_near"] = _ms(t)
-                    return Lookup("hit", near, 1.0, "exact_near")
             try:
                 exact = await asyncio.wait_for(self.backends.cache_lookup(p.cache_key), self._stage_timeout(p))
             finally:

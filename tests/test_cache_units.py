@@ -188,3 +188,14 @@ def test_replayed_hits_are_chunked_and_join_back_exactly():
     pieces = _pieces(text, 4)
     assert len(pieces) > 2 and "".join(pieces) == text
     assert _pieces("", 4) == [""]
+
+
+def test_single_embedding_fast_path_matches_batched_encode(embedder):
+    import numpy as np
+
+    texts = ["How do I reverse a list in Python?", "What is the capital of France?", "ok"]
+    batched = embedder.embed_many(texts)
+    for text, expected in zip(texts, batched):
+        one = embedder.embed(text)
+        assert one.dtype == np.float32 and abs(float(np.linalg.norm(one)) - 1) < 1e-5
+        assert np.allclose(one, expected, atol=1e-5)

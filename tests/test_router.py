@@ -136,6 +136,7 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
     async def both(question: str, headers: dict) -> tuple:
         body = {"model": "auto", "messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0}
         p = pipeline._prepare("chat", body, context_from_headers(headers))
+        pipeline._tokenize(p)
         if p.cache_key is None or p.ctx.no_cache:
             p.exact_done.set()
             return None, await pipeline._route(p), p
