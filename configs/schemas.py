@@ -7,6 +7,7 @@ field's path, not at the first request.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -101,6 +102,8 @@ class ClassifierConfig(_Strict):
     def _ordered(self) -> "ClassifierConfig":
         if not self.min_threshold <= self.threshold <= self.max_threshold:
             raise ValueError("need min_threshold <= threshold <= max_threshold")
+        if self.weights is not None and not Path(self.weights).is_file():
+            raise ValueError(f"no weights file at {self.weights!r}; make one with `python -m router.train --out PATH`")
         return self
 
 

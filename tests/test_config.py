@@ -59,6 +59,10 @@ def test_yaml_overrides_defaults():
         (("ingress", "max_body_bytes"), 10),
         (("cache", "ttl_s"), 0),
         (("router", "no_such_knob"), 1),  # typos are errors, not silently ignored
+        (("router", "kind"), "magic"),
+        (("router", "classifier", "weights"), "/nonexistent/difficulty.json"),
+        (("router", "classifier", "threshold"), 0.95),  # above max_threshold
+        (("router", "load_aware", "gain"), 2),
     ],
 )
 def test_bad_values_are_rejected(path, value):
