@@ -20,7 +20,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from bench.stats import summary
+from bench.stats import server_timing, summary
 from configs.serve_config import load_serve_config
 from semantic_cache.evalset import PARAPHRASES, eval_pairs
 from semantic_cache.guards import mismatch
@@ -108,10 +108,8 @@ def http_latency(requests: int, max_tokens: int) -> dict:
     stages: dict[str, dict[str, list[float]]] = {"exact_hit": {}, "semantic_hit": {}}
 
     def timing(kind: str, resp: httpx.Response) -> None:
-        for part in resp.headers.get("server-timing", "").split(","):
-            if ";dur=" in part:
-                name, dur = part.strip().split(";dur=")
-                stages[kind].setdefault(name, []).append(float(dur))
+        for name, dur in server_timing(resp.headers.get("server-timing", "")).items():
+            stages[kind].setdefault(name, []).append(dur)
 
     def ask(client: httpx.Client, text: str) -> tuple[float, httpx.Response]:
         body = {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import statistics
 import time
@@ -24,7 +23,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from bench.stats import summary
+from bench.stats import server_timing, summary
 from configs.serve_config import load_serve_config
 from router.base import RouteFeatures
 from router.classifier import DifficultyClassifier
@@ -91,22 +90,19 @@ async def _closed_loop(base: str, model: str, conversations: list, concurrency: 
             )
             first = None
             tokens = 0
-            stream = raw.parse()
-            if inspect.isawaitable(stream):  # differs between openai SDK versions
-                stream = await stream
-            async for chunk in stream:
+            async for chunk in raw.parse():  # the raw response's parse() is sync; it returns the stream
                 if chunk.choices and chunk.choices[0].delta.content:
                     first = first or time.perf_counter()
                     tokens += 1
             end = time.perf_counter()
-            timing = dict(p.strip().split(";dur=") for p in raw.headers.get("server-timing", "").split(",") if ";dur=" in p)
+            timing = server_timing(raw.headers.get("server-timing", ""))
             results.append({
                 "label": label,
                 "route": raw.headers.get("x-route", ""),
                 "e2e_ms": (end - start) * 1000,
                 "ttft_ms": ((first or end) - start) * 1000,
-                "route_ms": float(timing.get("route", "nan")),
-                "embed_ms": float(timing.get("embed", "nan")),
+                "route_ms": timing.get("route", float("nan")),
+                "embed_ms": timing.get("embed", float("nan")),
             })
             bar.update(1)
 

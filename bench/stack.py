@@ -13,7 +13,7 @@ import time
 
 from tqdm import tqdm
 
-from bench.stats import summary
+from bench.stats import server_timing, summary
 from configs.serve_config import load_serve_config
 
 QUESTIONS = [
@@ -84,10 +84,8 @@ def _through_stack(base_url: str, model: str, conversations, max_tokens: int) ->
         raw = client.chat.completions.with_raw_response.create(
             model=model, messages=conv, temperature=0, max_tokens=max_tokens, stream=True
         )
-        for part in raw.headers.get("server-timing", "").split(","):
-            if ";dur=" in part:
-                name, dur = part.strip().split(";dur=")
-                stages.setdefault(name, []).append(float(dur))
+        for name, dur in server_timing(raw.headers.get("server-timing", "")).items():
+            stages.setdefault(name, []).append(dur)
         times = []
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:

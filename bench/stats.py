@@ -14,6 +14,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def server_timing(header: str) -> dict[str, float]:
+    """`Server-Timing: name;dur=1.2, other;dur=3.4` -> {"name": 1.2, "other": 3.4}."""
+    out = {}
+    for part in header.split(","):
+        if ";dur=" in part:
+            name, dur = part.strip().split(";dur=", 1)
+            out[name] = float(dur)
+    return out
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {
         "n": len(values),

@@ -1,8 +1,9 @@
 """The app builder: binds the six deployments into one graph.
 
     Ingress ──► AdmissionController   (sync only, off the request path)
-       ├──────► SemanticCache         (lookup overlapped with the model call)
-       ├──────► Router                (only with router.placement: remote; inline by default)
+       ├──────► SemanticCache         (exact, then semantic; before the model starts by default)
+       ├──────► Router                (asked only with router.placement: remote; always bound, since Serve rejects
+       │                                 config for a deployment the app lacks)
        ├──────► TargetModel           (streams tokens; speculative, draft co-located by default)
        └──────► DraftModel            (the small model; drafts for remote speculation)
 """

@@ -239,7 +239,10 @@ class Pipeline:
         if cache.enabled and (sampling.greedy or (cache.sampled_opt_in and ctx.cache_sampled)):
             # The *requested* max_tokens: the same conversation always gets the same budget, and
             # the key is known before tokenizing, so a repeat never pays for the tokenizer.
-            sampling_key = {"max_tokens": req.output_limit, "stop": list(sampling.stop), "top_p": sampling.top_p}
+            # Left to the server, the budget follows its configured default.
+            default = f"default:{self.args.ingress.sampling.default_max_tokens}"
+            budget = req.output_limit if req.output_limit is not None else default
+            sampling_key = {"max_tokens": budget, "stop": list(sampling.stop), "top_p": sampling.top_p}
             if not sampling.greedy:
                 sampling_key.update(temperature=sampling.temperature, seed=sampling.seed)
             model_key = f"{kind}:{req.model}"

@@ -279,3 +279,19 @@ def test_health_says_warming_until_every_stage_answers(serve_file):
     pipeline.ready = True
     assert client.get("/health").json()["status"] == "ok"
     assert client.get("/v1/nope").json()["error"]["code"] == "not_found"
+
+
+def test_cache_key_follows_the_server_default_budget(serve_file):
+    """The key is made before tokenizing, from the requested max_tokens; a request that leaves it
+    to the server must not reuse answers made under another default budget."""
+    from ingress.pipeline import Pipeline
+
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    short = serve_file.args.model_copy(deep=True)
+    short.ingress.sampling.default_max_tokens = 16
+
+    def key(args, **extra):
+        return Pipeline(args, backends=None, prompts={})._prepare("chat", {**body, **extra}, context_from_headers({})).cache_key
+
+    assert key(serve_file.args) != key(short)
+    assert key(serve_file.args, max_tokens=8) == key(short, max_tokens=8)
