@@ -6,6 +6,10 @@ import torch
 
 from engines.types import SamplingParams
 
+# Below this, logits / temperature overflows float32 and softmax returns NaN; a temperature this
+# small is greedy in all but name, so it is computed as this one.
+MIN_TEMPERATURE = 1e-4
+
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     """A per-request RNG, so a request with a `seed` is reproducible whatever else runs."""
@@ -25,12 +29,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Speculative verification needs these exact probabilities, not just a sample, so keep
     this separate from `sample`.
     """
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    probs = torch.softmax(logits.float() / max(params.temperature, MIN_TEMPERATURE), dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True, dim=-1)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop = (cumulative - sorted_probs) >= params.top_p
+        drop[..., 0] = False  # a top_p below float32's resolution still keeps the top token
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from ingress.errors import APIError
 from ingress.pipeline import Pipeline
+from ingress.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -66,4 +70,41 @@ def build_api(pipeline: Pipeline) -> FastAPI:
         log.exception("unhandled error in the ingress")
         return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
 
+    app.openapi = lambda: _openapi_schema(app, pipeline)  # type: ignore[method-assign]
     return app
+
+
+# Request headers the pipeline reads (ingress/context.py), documented so clients and fuzzers see them.
+_HEADERS = {
+    "x-request-deadline-ms": ("number", "Deadline for the whole request, in milliseconds from now."),
+    "x-slo-tier": ("string", "SLO tier (default: interactive)."),
+    "x-tenant": ("string", "A namespace inside the API key's tenant: [A-Za-z0-9_.:-]{1,64}."),
+    "x-request-id": ("string", "Echoed back; used in response ids."),
+    "cache-control": ("string", "no-cache: skip the cache lookup; no-store: do not cache the answer."),
+}
+
+
+def _openapi_schema(app: FastAPI, pipeline: Pipeline) -> dict[str, Any]:
+    """FastAPI's schema plus what it can't see: the routes read their bodies themselves (for the
+    size limit and our error shape), so the request schemas are added here from the pydantic models."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    served = [m["id"] for m in pipeline.models()["data"]]
+    for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        body["properties"]["model"] = {"type": "string", "enum": served, "title": "Model"}
+        components[model.__name__] = body
+        operation = schema["paths"][path]["post"]
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+        operation["parameters"] = [
+            {"name": name, "in": "header", "required": False, "description": text, "schema": {"type": kind}}
+            for name, (kind, text) in _HEADERS.items()
+        ]
+    app.openapi_schema = schema
+    return schema

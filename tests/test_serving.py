@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -296,6 +297,43 @@ def test_body_over_size_limit(service):
     limit = service.config.args.ingress.max_body_bytes
     big = '{"model": "%s", "messages": [{"role": "user", "content": "%s"}]}' % (TARGET, "x" * (limit + 10))
     _error(_post(service, big), 413, "body_too_large")
+
+
+def test_deeply_nested_json_is_a_400_not_a_crash(service):
+    depth = 200_000  # far past Python's recursion limit, well inside the body limit
+    body = '{"model": "%s", %s, "metadata": %s%s}' % (TARGET, OK_MESSAGES, "[" * depth, "]" * depth)
+    _error(_post(service, body), 400, "invalid_json")
+
+
+def test_huge_prompt_is_refused_quickly(service):
+    huge = "lorem ipsum dolor " * 50_000  # ~900 kB: under the body limit, ~150k tokens
+    start = time.monotonic()
+    body = json.dumps({"model": TARGET, "messages": [{"role": "user", "content": huge}]})
+    _error(_post(service, body), 400, "context_length_exceeded")
+    assert time.monotonic() - start < 30
+
+
+def test_control_characters_and_extreme_sampling_values_are_served(service):
+    client = service.openai()
+    weird = "tab\there \x00 nul \x07 bell \x1b[31m escape \u202e rtl \ud7ff end"
+    out = client.chat.completions.create(
+        model=TARGET, messages=[{"role": "user", "content": weird}], max_tokens=4, temperature=1e-300, top_p=1e-300
+    )
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
+    greedy = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": weird}], max_tokens=4, temperature=0)
+    assert out.choices[0].message.content == greedy.choices[0].message.content  # a tiny temperature is greedy
+
+
+def test_stop_on_a_multibyte_character_is_cut_cleanly(service):
+    client = service.openai()
+    messages = [{"role": "user", "content": "Repeat exactly: snow ❄️ rocket 🚀 snow ❄️ rocket 🚀"}]
+    full = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=24, temperature=0)
+    text = full.choices[0].message.content
+    assert "🚀" in text, "the prompt should make the model emit the emoji"
+    cut = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=24, temperature=0, stop=["🚀"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index("🚀")]
+    assert "\ufffd" not in cut.choices[0].message.content
 
 
 def test_bad_headers_and_routes(service):

@@ -12,7 +12,7 @@ from admission.ledger import AdmissionLedger, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
 from engines.detokenizer import IncrementalDetokenizer
 from target.decoding import Generation
-from engines.sampling import probabilities
+from engines.sampling import probabilities, sample
 from engines.types import GenerateRequest, SamplingParams
 from ingress.context import context_from_headers
 from ingress.errors import APIError
@@ -129,6 +129,16 @@ def test_top_p_keeps_the_smallest_covering_set():
     assert torch.allclose(probs, torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]), atol=1e-6)
     probs = probabilities(logits, SamplingParams(max_tokens=1, temperature=1.0, top_p=0.01))
     assert probs[0] == 1.0
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 5e-324), (5e-324, 1.0), (1e-300, 1e-300), (2.0, 1e-45)])
+def test_extreme_sampling_values_stay_finite_and_pick_the_top_token(temperature, top_p):
+    # Found by the schemathesis fuzzer: these made softmax/top-p return NaN and crashed the replica.
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 10
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p)
+    probs = probabilities(logits, params)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1.0) < 1e-4
+    assert sample(logits, params, torch.Generator().manual_seed(1)) == int(logits.argmax())
 
 
 # --------------------------------------------------------------------------- admission
