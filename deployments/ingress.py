@@ -25,8 +25,15 @@ from semantic_cache.exact import CachedResponse
 class HandleBackends:
     """The pipeline's view of the other deployments, over Ray handles."""
 
-    def __init__(self, cache: DeploymentHandle, router: DeploymentHandle, models: dict[str, DeploymentHandle]) -> None:
+    def __init__(
+        self,
+        cache: DeploymentHandle,
+        router: DeploymentHandle,
+        models: dict[str, DeploymentHandle],
+        write_timeout_s: float,
+    ) -> None:
         self._cache = cache
+        self._write_timeout_s = write_timeout_s
         self._router = router
         self._models = {model_id: h.options(stream=True) for model_id, h in models.items()}
         self._pending: set[asyncio.Task] = set()
@@ -52,10 +59,9 @@ class HandleBackends:
     def generate(self, model_id: str, request: GenerateRequest) -> ModelStream:
         return self._models[model_id].generate.remote(request)
 
-    @staticmethod
-    async def _await(response) -> None:
+    async def _await(self, response) -> None:
         try:
-            await response
+            await asyncio.wait_for(response, self._write_timeout_s)  # a stuck cache holds nothing here
         except Exception:
             pass  # a lost cache write costs a future miss, nothing more
 
@@ -92,7 +98,10 @@ class Ingress:
     ) -> None:
         config = AppArgs.model_validate(args)
         backends = HandleBackends(
-            cache, router, {config.target.engine.model_id: target, config.draft.engine.model_id: draft}
+            cache,
+            router,
+            {config.target.engine.model_id: target, config.draft.engine.model_id: draft},
+            write_timeout_s=config.ingress.stage_timeout_s,
         )
         embedder = None
         if (config.cache.enabled and config.cache.semantic.enabled) or config.router.kind == "classifier":

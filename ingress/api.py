@@ -52,6 +52,7 @@ def build_api(pipeline: Pipeline) -> FastAPI:
                     "max_queued": gate.max_queued,
                 },
                 "router": pipeline.router_stats(),
+                "cache": {"lookup_failures": pipeline.cache_failures},
             },
         )
 

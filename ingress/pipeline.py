@@ -12,7 +12,8 @@
               ─► near miss: its answer rides along as a speculative draft (x-cache: hint);
                  miss: generate
               ─► identical requests already in flight share that generation (single-flight)
-              ─► stream from the model
+              ─► stream from the model; a model replica that dies before anything reached
+                 the client is retried once (Serve sends it to a live or replacement replica)
               ─► cache write, after a complete answer, off the request path
 
 Every wait has a timeout derived from the request's deadline. The cache and the router
@@ -95,7 +96,16 @@ class Prepared:
     vector_task: asyncio.Future | None = None  # computing it: whoever asks first starts it
     exact_done: asyncio.Event = field(default_factory=asyncio.Event)  # the exact-match phase is over
     coalesced: bool = False  # follows an identical generation already in flight
+    retried: bool = False  # a model replica died under this request and it was sent again
     timings: dict[str, float] = field(default_factory=dict)
+
+
+class ReplicaFailed(APIError):
+    """The model replica failed under the request (a 503): safe to retry until output was sent."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(503, f"the model replica failed: {type(exc).__name__}", code="backend_error")
+        self.replica_gone = _replica_gone(exc)
 
 
 class Permit:
@@ -143,6 +153,7 @@ class Pipeline:
         self.router = make_router(args.router, large, small)
         self.load = LoadTracker(args.router.load_aware, large, small)
         self.route_counts: dict[str, int] = {}  # "model/reason" -> requests
+        self.cache_failures = 0  # lookups that failed or timed out and were served as misses
         self.on_route: Callable[[RouteDecision], None] | None = None  # the deployment's metrics hook
 
     # ------------------------------------------------------------------ entry points
@@ -355,7 +366,11 @@ class Pipeline:
                     stream = None
                     permit.release()
                     return self._cached(p, found)
-            first = await first_chunk
+            try:
+                first = await first_chunk
+            except ReplicaFailed as err:
+                stream = None
+                stream, first = await self._retry(p, decision.model_id, generate, permit, err)
             p.timings["ttft"] = _ms(start)
             if not p.coalesced:
                 self.load.observe_ttft(decision.model_id, p.timings["ttft"])
@@ -368,7 +383,14 @@ class Pipeline:
             if p.coalesced:
                 headers["x-coalesced"] = "true"
             if not p.stream:
-                text, last = await self._collect(first, stream, p)
+                try:
+                    text, last = await self._collect(first, stream, p)
+                except ReplicaFailed as err:  # nothing was sent yet: the whole answer can be redone
+                    stream = None
+                    stream, first = await self._retry(p, decision.model_id, generate, permit, err)
+                    text, last = await self._collect(first, stream, p)
+                if p.retried:
+                    headers["x-retried"] = "1"
                 stream = None  # finished: nothing left to cancel
                 permit.release()
                 p.timings["total"] = _ms(start)
@@ -379,6 +401,8 @@ class Pipeline:
                     last.prompt_tokens, last.completion_tokens,
                 )
                 return JSONResponse(body, headers=headers)
+            if p.retried:
+                headers["x-retried"] = "1"
             headers["server-timing"] = _server_timing(p.timings)
             body_iter = self._sse(p, decision, first, stream, permit)
             stream = None  # from here on the SSE body owns the stream and the permit
@@ -409,6 +433,26 @@ class Pipeline:
             ) from None
         p.timings["admit"] = _ms(t)
         return Permit(self.gate)
+
+    async def _retry(
+        self, p: Prepared, model_id: str, request: GenerateRequest, permit: Permit, err: ReplicaFailed
+    ) -> tuple[ModelStream, GenerateChunk]:
+        """Once, and only when the replica died (a crash, a kill, a lost node) and nothing reached
+        the client: an error the model raised itself would only repeat."""
+        if p.retried or not err.replica_gone:
+            raise err
+        p.retried = True
+        log.warning("model replica of %s died under request %s; retrying once", model_id, p.ctx.request_id)
+        if p.coalesced:  # the leader's replica died: this request now runs its own generation
+            p.coalesced = False
+            self.load.started(model_id)
+            permit.also(lambda: self.load.finished(model_id))
+        stream = self.backends.generate(model_id, request)
+        try:
+            return stream, await self._next(stream, p)
+        except BaseException:
+            stream.cancel()
+            raise
 
     def _start(self, model_id: str, request: GenerateRequest, p: Prepared) -> ModelStream:
         """Start generating, or join an identical generation already in flight."""
@@ -447,6 +491,7 @@ class Pipeline:
                 self._remember(p, found.response)  # the next identical request skips both hops
             return found
         except Exception as exc:  # a cache failure is a miss, never an error
+            self.cache_failures += 1
             log.warning("cache lookup failed, treating as a miss: %r", exc)
             return Lookup("miss", reason="cache_unavailable")
         finally:
@@ -524,7 +569,7 @@ class Pipeline:
         except Exception as exc:
             stream.cancel()
             log.warning("model call failed: %r", exc)
-            raise APIError(503, f"the model replica failed: {type(exc).__name__}", code="backend_error") from None
+            raise ReplicaFailed(exc) from None
 
     async def _collect(self, first: GenerateChunk, stream: ModelStream, p: Prepared) -> tuple[str, GenerateChunk]:
         parts, chunk = [first.text], first
@@ -621,6 +666,15 @@ def _validate(schema: type[BaseModel], body: Any) -> Any:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or None
         raise bad_request(f"{where}: {first['msg']}" if where else first["msg"], where) from None
+
+
+# Ray's "the actor is gone" errors, by name so this module needs no Ray: RayActorError and its
+# ActorDiedError, and ActorUnavailableError (unreachable, being replaced).
+_REPLICA_GONE = {"RayActorError", "ActorDiedError", "ActorUnavailableError"}
+
+
+def _replica_gone(exc: BaseException) -> bool:
+    return any(cls.__name__ in _REPLICA_GONE for cls in type(exc).__mro__)
 
 
 def _reject_constant(name: str) -> Any:
