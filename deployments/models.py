@@ -57,4 +57,9 @@ class DraftModel(_ModelDeployment):
         await loop.run_in_executor(self.service.executor, self.sessions.end, session_id)
 
     async def stats(self) -> dict[str, int]:
-        return {**self.service.stats.as_dict(), "draft_sessions_recomputed": self.sessions.recomputed}
+        return {
+            **self.service.stats.as_dict(),
+            "draft_sessions_recomputed": self.sessions.recomputed,
+            "draft_sessions_open": len(self.sessions),  # 0 when idle: every request ends its session
+            "draft_proposals": self.sessions.proposals,
+        }

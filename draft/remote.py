@@ -27,8 +27,13 @@ class DraftSessions:
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, tuple[Any, torch.Generator]] = OrderedDict()
         self.recomputed = 0
+        self.proposals = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
 
     def propose(self, session_id: str, context: list[int], k: int, params: SamplingParams, seed: int) -> Proposal:
+        self.proposals += 1
         if session_id not in self._sessions:
             self.recomputed += 1
             rng = torch.Generator().manual_seed(seed)

@@ -42,6 +42,11 @@ class EngineStats:
         self.draft_tokens_accepted = 0
         self.hint_tokens_proposed = 0  # from semantic-cache near misses
         self.hint_tokens_accepted = 0
+        # Of the last cancelled request: rounds that still ran after the cancel (the one on the
+        # worker thread at that moment finishes; no new one starts), and the ms until its KV was freed.
+        self.last_cancel_rounds_after = 0
+        self.max_cancel_rounds_after = 0
+        self.last_cancel_free_ms = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -163,7 +168,14 @@ class ModelService:
                 self.stats.requests_cancelled += 1
                 if gen is not None and not gen.finished:
                     # Free KV / draft state on the worker thread, after any step in flight.
-                    self.executor.submit(gen.abort)
+                    self.executor.submit(self._abort, gen, gen.rounds, time.perf_counter())
+
+    def _abort(self, gen: Generation, rounds_at_cancel: int, cancelled_at: float) -> None:
+        gen.abort()
+        after = gen.rounds - rounds_at_cancel
+        self.stats.last_cancel_rounds_after = after
+        self.stats.max_cancel_rounds_after = max(self.stats.max_cancel_rounds_after, after)
+        self.stats.last_cancel_free_ms = round((time.perf_counter() - cancelled_at) * 1000)
 
     @staticmethod
     def _timed_prefill(gen: Generation, enqueued: float) -> GenerateChunk:

@@ -50,6 +50,7 @@ class Generation:
         self.spec = speculation
         self.tokens: list[int] = list(request.prompt_token_ids)  # prompt + emitted tokens
         self.completion_tokens = 0
+        self.rounds = 0  # prefill + decode/speculative rounds completed (what cancellation must bound)
         self.finished = False
         self._last: int | None = None  # emitted but not yet in the target's KV cache
         # A request may not outgrow the context window, whatever max_tokens says.
@@ -65,9 +66,15 @@ class Generation:
         logits = self.engine.prefill(self.seq, self.request.prompt_token_ids)
         chunk = self._emit([sample(logits, self.params, self.rng)])
         chunk.timings_ms["prefill"] = (time.perf_counter() - start) * 1000
+        self.rounds += 1
         return chunk
 
     def step(self) -> GenerateChunk:
+        chunk = self._step()
+        self.rounds += 1
+        return chunk
+
+    def _step(self) -> GenerateChunk:
         assert not self.finished and self._last is not None
         if self.spec is not None:
             chunk = self._speculative_round()

@@ -85,3 +85,38 @@ def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
     assert target_stats["draft_tokens_proposed"] > 0, f"the remote draft was never used: {target_stats}"
     assert target_stats["draft_tokens_accepted"] > 0, target_stats
     assert draft_stats["draft_sessions_recomputed"] >= len(PROMPTS), draft_stats  # one session per request
+
+
+def test_disconnect_stops_the_remote_draft_too(remote_app):
+    from ray import serve
+
+    def stats(name: str) -> dict:
+        return serve.get_deployment_handle(name, app_name="remote").stats.remote().result(timeout_s=30)
+
+    before = stats("TargetModel")
+    body = {
+        "model": TARGET,
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", remote_app + "/v1/chat/completions", json=body, headers=NO_CACHE) as resp:
+            seen = 0
+            for line in resp.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break  # the client leaves mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        target, draft = stats("TargetModel"), stats("DraftModel")
+        if target["active"] == 0 and draft["draft_sessions_open"] == 0:
+            break
+        time.sleep(0.2)
+    assert target["requests_cancelled"] > before["requests_cancelled"], target
+    assert target["active"] == 0 and draft["draft_sessions_open"] == 0, (target, draft)
+    assert target["last_cancel_rounds_after"] <= 1, target  # stopped within one round
+    proposals = draft["draft_proposals"]
+    time.sleep(1.0)
+    assert stats("DraftModel")["draft_proposals"] == proposals, "the remote draft kept drafting after the client left"
