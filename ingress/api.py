@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from ingress.errors import APIError
+from ingress.errors import APIError, describe
 from ingress.pipeline import Pipeline
 from ingress.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -68,7 +68,7 @@ def build_api(pipeline: Pipeline) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("unhandled error in the ingress")
+        log.error("unhandled error in the ingress: %s", describe(exc, with_message=pipeline.args.ingress.log_prompts))
         return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
 
     app.openapi = lambda: _openapi_schema(app, pipeline)  # type: ignore[method-assign]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import traceback
 from typing import Any
 
 from starlette.responses import Response
@@ -56,3 +57,13 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def describe(exc: BaseException, with_message: bool = False) -> str:
+    """An exception for the logs without what it may quote: messages can carry a prompt, an
+    answer or a header (a validation error echoes its input), so by default only the type and
+    where it was raised; the message only where prompt logging is enabled."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else ""
+    text = f"{type(exc).__name__}{where}"
+    return f"{text}: {exc}" if with_message else text

@@ -40,7 +40,7 @@ from configs.schemas import AppArgs
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from ingress.coalescing import Flights
 from ingress.context import RequestContext, context_from_headers
-from ingress.errors import APIError, bad_request
+from ingress.errors import APIError, bad_request, describe
 from ingress.prompts import PromptBuilder
 from ingress.protocol import ChatCompletionRequest, CompletionRequest
 from ingress.responses import Kind, SSEWriter, full_response
@@ -165,6 +165,8 @@ class Pipeline:
             body = await self._read_json(request)
             prepared = self._prepare(kind, body, ctx)
             prepared.timings["prepare"] = _ms(t)
+            if self.args.ingress.log_prompts:  # opt-in only: prompts are user data
+                log.info("request %s tenant=%s %s: %s", ctx.request_id, ctx.tenant, kind, json.dumps(body)[:4000])
             return await self._serve(prepared)
         except APIError as err:
             return err.response()
@@ -492,7 +494,7 @@ class Pipeline:
             return found
         except Exception as exc:  # a cache failure is a miss, never an error
             self.cache_failures += 1
-            log.warning("cache lookup failed, treating as a miss: %r", exc)
+            log.warning("cache lookup failed, treating as a miss: %s", self._why(exc))
             return Lookup("miss", reason="cache_unavailable")
         finally:
             p.timings["cache"] = _ms(t)
@@ -532,7 +534,7 @@ class Pipeline:
             finally:
                 p.timings["route"] = _ms(t)  # the routing itself, beyond the shared embedding
         except Exception as exc:  # router down: the target can answer anything
-            log.warning("router failed, using the target model: %r", exc)
+            log.warning("router failed, using the target model: %s", self._why(exc))
             fallback = p.requested_model
             if fallback == self.args.router.auto_model_id:
                 fallback = self.args.target.engine.model_id
@@ -545,11 +547,14 @@ class Pipeline:
             try:
                 self.on_route(decision)
             except Exception as exc:  # metrics never fail a request
-                log.debug("route metric failed: %r", exc)
+                log.debug("route metric failed: %s", self._why(exc))
 
     def router_stats(self) -> dict[str, Any]:
         downgrades = sum(n for k, n in self.route_counts.items() if k.endswith("/load_downgrade"))
         return {"routes": dict(self.route_counts), "load_downgrades": downgrades, "load": self.load.snapshot()}
+
+    def _why(self, exc: BaseException) -> str:
+        return describe(exc, with_message=self.args.ingress.log_prompts)
 
     def _stage_timeout(self, p: Prepared) -> float:
         return max(0.001, p.ctx.remaining_s(self.args.ingress.stage_timeout_s))
@@ -568,7 +573,7 @@ class Pipeline:
             raise
         except Exception as exc:
             stream.cancel()
-            log.warning("model call failed: %r", exc)
+            log.warning("model call failed: %s", self._why(exc))
             raise ReplicaFailed(exc) from None
 
     async def _collect(self, first: GenerateChunk, stream: ModelStream, p: Prepared) -> tuple[str, GenerateChunk]:
@@ -647,7 +652,7 @@ class Pipeline:
         try:
             self.backends.cache_store(entry)
         except Exception as exc:
-            log.warning("cache write failed: %r", exc)
+            log.warning("cache write failed: %s", self._why(exc))
 
     def _headers(self, p: Prepared, decision: RouteDecision, cache: str) -> dict[str, str]:
         # x-request-id is echoed by Ray Serve's proxy itself; we reuse its value for our ids.
