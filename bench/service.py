@@ -31,6 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def quiet_logging(serve_file: ServeFile) -> dict:
+    """The file's logging config at WARNING, without per-request access logs (they cost latency)."""
+    return {**serve_file.logging_config, "log_level": "WARNING", "enable_access_log": False}
+
+
 @contextlib.contextmanager
 def running_service(
     serve_file: ServeFile | None = None,
@@ -56,10 +61,10 @@ def running_service(
         logging_level="WARNING",
     )
     try:
-        logging_config = {**serve_file.logging_config, "log_level": "WARNING", "enable_access_log": False}
+        logging_config = quiet_logging(serve_file)
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=logging_config)
         serve.run(
-            build_graph(args, serve_file.deployment_options),
+            build_graph(args, serve_file.deployment_options, logging_config),
             name=serve_file.app_name,
             route_prefix=serve_file.route_prefix,
         )

@@ -209,6 +209,7 @@ class IngressConfig(_Strict):
         "hit wastes up to one prefill and near misses cannot be used as drafts",
     )
     request_timeout_s: float = Field(300.0, gt=0, description="ceiling for a request without a deadline")
+    body_timeout_s: float = Field(30.0, gt=0, description="the whole request body must arrive within this (408)")
     log_prompts: bool = Field(
         False, description="log each request's body, and error messages (which may quote it); API keys never are"
     )

@@ -25,16 +25,24 @@ def build_app(args: AppArgs) -> Application:
     return build_graph(args)
 
 
-def build_graph(args: AppArgs | dict, deployment_options: dict[str, dict[str, Any]] | None = None) -> Application:
-    """Bind the graph. `deployment_options` applies a config file's `deployments:` section when
-    the app is started from Python (tests, bench); `serve run` applies it itself.
+def build_graph(
+    args: AppArgs | dict,
+    deployment_options: dict[str, dict[str, Any]] | None = None,
+    logging_config: dict[str, Any] | None = None,
+) -> Application:
+    """Bind the graph. `deployment_options` and `logging_config` apply a config file's
+    `deployments:` and `logging_config:` sections when the app is started from Python (tests,
+    bench); `serve run` applies them itself.
     """
     if isinstance(args, dict):
         args = AppArgs.model_validate(args)
     opts = deployment_options or {}
 
     def with_options(deployment):
-        return deployment.options(**opts[deployment.name]) if deployment.name in opts else deployment
+        options = dict(opts.get(deployment.name, {}))
+        if logging_config:  # replicas do not inherit serve.start()'s logging config
+            options.setdefault("logging_config", logging_config)
+        return deployment.options(**options) if options else deployment
 
     admission = with_options(AdmissionController).bind(args.admission.model_dump())
     cache = with_options(SemanticCache).bind(args.cache.model_dump())

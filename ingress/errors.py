@@ -12,6 +12,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "timeout",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "internal_error",

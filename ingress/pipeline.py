@@ -202,10 +202,18 @@ class Pipeline:
         if declared and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body over the {limit}-byte limit", code="body_too_large")
         raw = bytearray()
-        async for piece in request.stream():
-            raw += piece
-            if len(raw) > limit:
-                raise APIError(413, f"request body over the {limit}-byte limit", code="body_too_large")
+
+        async def read() -> None:
+            async for piece in request.stream():
+                raw.extend(piece)
+                if len(raw) > limit:
+                    raise APIError(413, f"request body over the {limit}-byte limit", code="body_too_large")
+
+        timeout = self.args.ingress.body_timeout_s
+        try:
+            await asyncio.wait_for(read(), timeout)  # a client that stalls mid-body holds nothing for long
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

@@ -18,6 +18,7 @@ os.environ.update(OFFLINE_ENV)  # tests never reach a model hub
 # behaviour can be provoked with a handful of requests.
 TEST_MAX_INFLIGHT = 2
 TEST_MAX_QUEUED = 1
+TEST_BODY_TIMEOUT_S = 2.0
 
 
 class Service:
@@ -71,6 +72,7 @@ def service(serve_file):
     def tighten(args):
         args.admission.max_inflight = TEST_MAX_INFLIGHT
         args.admission.max_queued = TEST_MAX_QUEUED
+        args.ingress.body_timeout_s = TEST_BODY_TIMEOUT_S
 
     with running_service(serve_file, tweak=tighten) as base:
         svc = Service(base, serve_file)

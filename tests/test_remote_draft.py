@@ -20,6 +20,7 @@ PROMPTS = [
 def remote_app(service):
     from ray import serve
 
+    from bench.service import quiet_logging
     from deployments.app import build_graph
 
     args = service.config.args.model_copy(deep=True)
@@ -35,7 +36,7 @@ def remote_app(service):
     args.ingress.overlap_cache_lookup = True
     args.cache.semantic.enabled = False
     serve.run(
-        build_graph(args, service.config.deployment_options),
+        build_graph(args, service.config.deployment_options, quiet_logging(service.config)),
         name="remote",
         route_prefix="/remote",
     )

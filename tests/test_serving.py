@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -11,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import TEST_MAX_INFLIGHT
+from tests.conftest import TEST_BODY_TIMEOUT_S, TEST_MAX_INFLIGHT
 
 TARGET = "smollm2-135m-instruct"
 SMALL = "smollm2-135m-instruct-q4"
@@ -334,6 +335,23 @@ def test_stop_on_a_multibyte_character_is_cut_cleanly(service):
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.index("🚀")]
     assert "\ufffd" not in cut.choices[0].message.content
+
+
+def test_a_stalled_body_gets_a_408_not_a_hang(service):
+    host, port = service.base_url.removeprefix("http://").split(":")
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + b'{"model": ')  # ... and never the rest
+        reply = b""
+        while b"body_timeout" not in reply:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            reply += piece
+    assert reply.split(b"\r\n", 1)[0].endswith(b"408 Request Timeout"), reply[:200]
+    assert b'"code": "body_timeout"' in reply
+    assert TEST_BODY_TIMEOUT_S <= time.monotonic() - start < TEST_BODY_TIMEOUT_S + 10
 
 
 def test_bad_headers_and_routes(service):
