@@ -34,6 +34,14 @@ class ModelSource(_Strict):
         return self
 
 
+class PrefixCacheConfig(_Strict):
+    """Reuse the KV of prompt prefixes across requests (transformers engine)."""
+
+    enabled: bool = True
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per cached block; only full blocks are reused")
+    max_mb: int = Field(256, ge=1, description="memory budget; least recently used blocks are evicted")
+
+
 class EngineConfig(_Strict):
     """One model engine (a replica's copy of a model)."""
 
@@ -48,6 +56,7 @@ class EngineConfig(_Strict):
     cache_dir: str | None = Field(None, description="converted-weights cache; default ~/.cache/latency-serve")
     warmup: bool = True
     max_sequences: int = Field(4, ge=1, le=64, description="llama_cpp: KV contexts (concurrent sequences) per replica")
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
 
 
 class SamplingDefaults(_Strict):

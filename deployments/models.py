@@ -25,8 +25,8 @@ class _ModelDeployment:
         async for chunk in self.service.generate(request):
             yield chunk
 
-    async def stats(self) -> dict[str, int]:
-        return self.service.stats.as_dict()
+    async def stats(self) -> dict[str, float]:
+        return self.service.snapshot()
 
 
 @serve.deployment(name="TargetModel")
@@ -58,7 +58,7 @@ class DraftModel(_ModelDeployment):
 
     async def stats(self) -> dict[str, int]:
         return {
-            **self.service.stats.as_dict(),
+            **self.service.snapshot(),
             "draft_sessions_recomputed": self.sessions.recomputed,
             "draft_sessions_open": len(self.sessions),  # 0 when idle: every request ends its session
             "draft_proposals": self.sessions.proposals,

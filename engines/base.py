@@ -22,11 +22,12 @@ import torch
 class Sequence:
     """Engine-side state of one sequence: its KV cache and how many tokens it holds."""
 
-    __slots__ = ("kv", "length")
+    __slots__ = ("kv", "length", "reused")
 
     def __init__(self, kv: Any) -> None:
         self.kv = kv
         self.length = 0
+        self.reused = 0  # prompt tokens whose KV came from a prefix cache
 
 
 class Engine(ABC):

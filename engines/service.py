@@ -120,6 +120,11 @@ class ModelService:
         )
         return costs
 
+    def snapshot(self) -> dict[str, float]:
+        """The counters, plus the prefix cache's (hit rate, blocks, memory) where the engine has one."""
+        cache = getattr(self.engine, "prefix_cache", None)
+        return {**self.stats.as_dict(), **(cache.stats() if cache is not None else {})}
+
     # ------------------------------------------------------------------ requests
 
     def _speculation(self, request: GenerateRequest | None = None) -> Speculation | None:

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from configs.schemas import EngineConfig
 from engines.base import Engine, Sequence
 from engines.model_store import resolve_model_dir
+from engines.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ class TransformersEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[config.dtype]).eval()
         self.max_model_len = min(config.max_model_len, getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        pc = config.prefix_cache
+        self.prefix_cache = PrefixCache(pc.block_size, pc.max_mb << 20) if pc.enabled else None
         self.load_seconds = time.monotonic() - start
         log.info("%s loaded from %s in %.1f s (%s)", self.model_id, model_dir, self.load_seconds, config.dtype)
 
@@ -35,8 +38,17 @@ class TransformersEngine(Engine):
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        cache = self.prefix_cache if seq.length == 0 else None  # a prompt, not a catch-up
+        if cache is not None:
+            reused, layers = cache.match(token_ids)
+            for index, (keys, values) in enumerate(layers):
+                seq.kv.update(keys, values, index)
+            seq.length = seq.reused = reused
         # logits_to_keep=1: the LM head over every prompt position is wasted work.
-        return self._forward(seq, token_ids, logits_to_keep=1)[-1]
+        logits = self._forward(seq, token_ids[seq.reused :], logits_to_keep=1)[-1]
+        if cache is not None:
+            cache.insert(token_ids, [(layer.keys, layer.values) for layer in seq.kv.layers])
+        return logits
 
     @torch.inference_mode()
     def score(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:

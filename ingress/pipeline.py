@@ -384,7 +384,7 @@ class Pipeline:
             p.timings["ttft"] = _ms(start)
             if not p.coalesced:
                 self.load.observe_ttft(decision.model_id, p.timings["ttft"])
-            for name in ("engine_queue", "prefill"):
+            for name in ("engine_queue", "prefill", "prefix_reused_tokens"):  # the last is a count, not ms
                 if name in first.timings_ms:
                     p.timings[name] = first.timings_ms[name]
             if first.finish_reason == "abort":

@@ -64,8 +64,11 @@ class Generation:
     def prefill(self) -> GenerateChunk:
         start = time.perf_counter()
         logits = self.engine.prefill(self.seq, self.request.prompt_token_ids)
+        reused = self.seq.reused  # read before _emit: finishing frees the sequence
         chunk = self._emit([sample(logits, self.params, self.rng)])
         chunk.timings_ms["prefill"] = (time.perf_counter() - start) * 1000
+        if reused:
+            chunk.timings_ms["prefix_reused_tokens"] = float(reused)
         self.rounds += 1
         return chunk
 

@@ -56,6 +56,54 @@ def test_score_k_tokens_matches_stepwise_decoding_and_rolls_back(engine):
     assert torch.allclose(again, scored[1], atol=1e-3)
 
 
+def test_prefix_cache_hits_shared_prefixes_and_keeps_greedy_output_identical(engine, serve_file):
+    from engines.transformers_engine import TransformersEngine
+
+    config = serve_file.args.target.engine.model_copy(deep=True)
+    config.prefix_cache.enabled = False
+    plain = TransformersEngine(config)
+    assert engine.prefix_cache is not None and plain.prefix_cache is None
+    system = "You are a careful assistant for a bank. Answer in one sentence. " * 6
+    before = engine.prefix_cache.stats()
+    for question in ["How do I open an account?", "What is an overdraft?", "How do I open an account?"]:
+        ids = _prompt_with_system(engine, system, question)
+        params = SamplingParams(max_tokens=16, temperature=0.0)
+        cached_text, cached_last = _run(engine, params, ids)
+        plain_text, _ = _run(plain, params, ids)
+        assert cached_text == plain_text, question
+    after = engine.prefix_cache.stats()
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] >= 2 * 64, after  # requests 2 and 3 reuse the system prompt
+    seq = engine.new_sequence()
+    ids = _prompt_with_system(engine, system, "How do I open an account?")
+    engine.prefill(seq, ids)
+    block = engine.prefix_cache.block_size
+    assert seq.reused == (len(ids) - 1) // block * block, "all full blocks but the last token come from the cache"
+
+
+def _prompt_with_system(engine, system, question):
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
+
+
+def test_prefix_cache_evicts_leaves_first_and_checks_tokens():
+    from engines.prefix_cache import PrefixCache
+
+    def kv(n):  # one layer, n tokens, 4 bytes per value
+        return [(torch.arange(n, dtype=torch.float32).view(1, 1, n, 1), torch.zeros(1, 1, n, 1))]
+
+    cache = PrefixCache(block_size=2, max_bytes=6 * 16)  # room for 6 blocks of (2 keys + 2 values) floats
+    cache.insert([1, 2, 3, 4, 5, 6, 7], kv(7))  # 3 full blocks
+    reused, layers = cache.match([1, 2, 3, 4, 9, 9])
+    assert reused == 4 and torch.equal(layers[0][0].flatten(), torch.tensor([0.0, 1, 2, 3]))
+    assert cache.match([1, 2])[0] == 0, "the last prompt token is always computed"
+    cache.insert([8, 8, 8, 8, 8, 8, 8, 8], kv(8))  # 4 more blocks: over budget, the oldest go
+    assert cache.bytes <= cache.max_bytes
+    assert cache.match([1, 2, 3, 4, 5, 6, 0])[0] in (0, 2, 4)  # evicted from the leaf back, never a hole
+    assert cache.match([8] * 9)[0] == 8
+
+
 def _run(engine, params, ids):
     gen = Generation(engine, GenerateRequest("t", ids, params))
     chunks = [gen.prefill()]
