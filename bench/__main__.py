@@ -21,6 +21,7 @@ SUITES = {
     "spec": "bench.spec",  # speculative decoding vs target-alone vs HF assisted generation
     "cache": "bench.cache",  # semantic cache: precision/recall, hit latency over HTTP, store, near-miss drafts
     "route": "bench.route",  # router accuracy, routing cost, routed vs all-to-target under mixed load
+    "ttft": "bench.ttft",  # engine TTFT with the prefix KV cache off and on (shared system prompt, multi-turn)
     "chaos": "bench.chaos",  # load while one replica of each stage is killed: nothing admitted is lost
 }
 

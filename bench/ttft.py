@@ -1,0 +1,153 @@
+"""Suite `ttft`: time-to-first-token of the CPU engine with the prefix KV cache off and on.
+
+Two engines from serve_config.yaml's target (one with `prefix_cache.enabled: false`) serve the
+same requests, alternating, in this process: TTFT here is the engine's prefill plus the first
+sample, what a replica adds to queueing. Workloads:
+- shared system prompt: a long system prompt (instructions + tool definitions), many questions;
+- multi-turn chat: one conversation growing turn by turn, each prompt holding the earlier turns
+  and the model's own answers.
+`identical` compares the greedy outputs of the two engines on every request.
+
+Iteration-level batching (the `batching` key of issue 10) is not built yet: the list is empty.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tqdm import tqdm
+
+from bench.stats import summary
+from configs.serve_config import load_serve_config
+
+SYSTEM = (
+    "You are the support assistant of Nimbus Drive, a cloud storage product. Answer in at most three "
+    "sentences, precisely, and never invent features. If a question is about billing, mention that "
+    "invoices are under Settings > Billing. If it is about security, recommend two-factor authentication. "
+    "You can call these tools by answering with JSON:\n"
+    '{"name": "get_usage", "description": "Storage used and the plan limit", "parameters": {"user_id": "string"}}\n'
+    '{"name": "create_share_link", "description": "A link to a file or folder", "parameters": {"path": "string", '
+    '"expires_days": "integer", "password": "string or null"}}\n'
+    '{"name": "list_devices", "description": "Devices signed in to the account", "parameters": {"user_id": "string"}}\n'
+    '{"name": "open_ticket", "description": "Escalate to a human", "parameters": {"summary": "string", '
+    '"priority": "low | normal | urgent"}}\n'
+    "Plans: Free (5 GB), Plus (200 GB, $3/month), Pro (2 TB, $10/month), Team (5 TB pooled, $8/user/month). "
+    "Files in the trash are kept 30 days. Version history is kept 90 days on Pro and Team, 30 days otherwise. "
+    "Shared links can expire and can require a password on Plus and above."
+)
+QUESTIONS = [
+    "How much space does the Plus plan have?",
+    "How do I share a folder with a password?",
+    "Can I recover a file I deleted last week?",
+    "Where do I find my invoices?",
+    "How do I see which devices are signed in?",
+    "What does the Team plan cost for five people?",
+    "How long is version history kept on Free?",
+    "My upload is stuck, what should I do?",
+    "How do I make my account more secure?",
+    "Can a shared link expire automatically?",
+    "What happens to files in the trash after a month?",
+    "Please escalate: I was charged twice this month.",
+]
+TURNS = [
+    "Hi! I want to organise my photos.",
+    "Can you suggest a folder structure by year and event?",
+    "How would I name the files inside each folder?",
+    "And how do I share one event with my family?",
+    "Can they add their own photos to it?",
+    "What if someone deletes a photo by mistake?",
+]
+
+
+def _ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _generate(engine, ids: list[int], max_tokens: int) -> tuple[float, str]:
+    from engines.types import GenerateRequest, SamplingParams
+    from target.decoding import Generation
+
+    gen = Generation(engine, GenerateRequest("bench", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+    start = time.perf_counter()
+    chunks = [gen.prefill()]
+    ttft = (time.perf_counter() - start) * 1000
+    while not gen.finished:
+        chunks.append(gen.step())
+    return ttft, "".join(c.text for c in chunks)
+
+
+def run(requests: int | None = None, max_tokens: int = 16, quick: bool = False) -> dict:
+    from engines.transformers_engine import TransformersEngine
+
+    config = load_serve_config().args.target.engine
+    off_config = config.model_copy(deep=True)
+    off_config.prefix_cache.enabled = False
+    engines = {"on": TransformersEngine(config), "off": TransformersEngine(off_config)}
+    tokenizer = engines["on"].tokenizer
+    questions = QUESTIONS[: requests or (6 if quick else len(QUESTIONS))]
+
+    workloads: dict[str, list[list[int]]] = {
+        "shared_system_prompt": [_ids(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in questions]
+    }
+    results: dict[str, dict] = {}
+    identical = True
+    total = len(questions) + len(TURNS[: 4 if quick else len(TURNS)])
+    bar = tqdm(total=2 * total, desc="ttft", unit="req")
+    for name, prompts in workloads.items():
+        ttft: dict[str, list[float]] = {"on": [], "off": []}
+        for i, ids in enumerate(prompts):
+            texts = {}
+            for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):  # alternate who goes first
+                ms, texts[mode] = _generate(engines[mode], ids, max_tokens)
+                ttft[mode].append(ms)
+                bar.update()
+            identical &= texts["on"] == texts["off"]
+        results[name] = {"prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1), **_pair(ttft)}
+
+    # Multi-turn: each turn's prompt holds every earlier turn and the model's own answer to it.
+    ttft = {"on": [], "off": []}
+    history: list[dict[str, str]] = [{"role": "system", "content": "You are a friendly, concise assistant."}]
+    lengths = []
+    for i, turn in enumerate(TURNS[: 4 if quick else len(TURNS)]):
+        history.append({"role": "user", "content": turn})
+        ids = _ids(tokenizer, history)
+        lengths.append(len(ids))
+        texts = {}
+        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            ms, texts[mode] = _generate(engines[mode], ids, 48)
+            ttft[mode].append(ms)
+            bar.update()
+        identical &= texts["on"] == texts["off"]
+        history.append({"role": "assistant", "content": texts["off"]})
+    bar.close()
+    results["multi_turn"] = {"prompt_tokens_mean": round(sum(lengths) / len(lengths), 1), **_pair(ttft)}
+
+    cache = engines["on"].prefix_cache
+    shared = results["shared_system_prompt"]
+    return {
+        "identical": identical,
+        "prefix": {
+            "workload": "shared_system_prompt",
+            "ttft_p50_ms_off": shared["ttft_p50_ms_off"],
+            "ttft_p50_ms_on": shared["ttft_p50_ms_on"],
+            "speedup_p50": shared["speedup_p50"],
+            "hit_rate": round(cache.hit_rate, 3),
+            "workloads": results,
+            "cache": cache.stats(),
+        },
+        "batching": [],  # iteration-level batching: not built yet
+        "config": {"max_tokens": max_tokens, "block_size": cache.block_size, "dtype": config.dtype},
+    }
+
+
+def _pair(ttft: dict[str, list[float]]) -> dict:
+    """p50/p99 per mode; every request counts, the first (a cold miss for both) too."""
+    s_on, s_off = summary(ttft["on"]), summary(ttft["off"])
+    return {
+        "ttft_p50_ms_off": s_off["p50"],
+        "ttft_p99_ms_off": s_off["p99"],
+        "ttft_p50_ms_on": s_on["p50"],
+        "ttft_p99_ms_on": s_on["p99"],
+        "speedup_p50": round(s_off["p50"] / s_on["p50"], 2) if s_on["p50"] else None,
+    }
