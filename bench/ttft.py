@@ -8,11 +8,15 @@ sample, what a replica adds to queueing. Workloads:
   and the model's own answers.
 `identical` compares the greedy outputs of the two engines on every request.
 
-Iteration-level batching (the `batching` key of issue 10) is not built yet: the list is empty.
+Batching: the target's ModelService (speculation as shipped) serves 1, 4 and 16 concurrent
+greedy streams with `max_batch_size` 16 and 1 (one request per forward pass, round-robin), in
+one run, the prefix cache off so only decoding differs. Tokens/s is aggregate; ITL is the gap
+between a stream's chunks divided by the tokens in the chunk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from tqdm import tqdm
@@ -136,7 +140,7 @@ def run(requests: int | None = None, max_tokens: int = 16, quick: bool = False) 
             "workloads": results,
             "cache": cache.stats(),
         },
-        "batching": [],  # iteration-level batching: not built yet
+        "batching": _batching(quick),
         "config": {"max_tokens": max_tokens, "block_size": cache.block_size, "dtype": config.dtype},
     }
 
@@ -151,3 +155,43 @@ def _pair(ttft: dict[str, list[float]]) -> dict:
         "ttft_p99_ms_on": s_on["p99"],
         "speedup_p50": round(s_off["p50"] / s_on["p50"], 2) if s_on["p50"] else None,
     }
+
+
+def _batching(quick: bool) -> list[dict]:
+    from engines.service import ModelService
+    from engines.types import GenerateRequest, SamplingParams
+
+    stage = load_serve_config().args.target.model_copy(deep=True)
+    stage.engine.prefix_cache.enabled = False
+    service = ModelService(stage)
+    batch_size = service.max_batch
+    tokenizer = service.engine.tokenizer
+    prompts = [_ids(tokenizer, [{"role": "user", "content": f"{q} Answer in detail."}]) for q in QUESTIONS]
+    max_tokens = 32 if quick else 64
+
+    async def one(i: int, itl: list[float]) -> int:
+        request = GenerateRequest(f"b{i}", prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        last, tokens = None, 0
+        async for chunk in service.generate(request):
+            now = time.perf_counter()
+            if last is not None and chunk.num_tokens:
+                itl.extend([(now - last) * 1000 / chunk.num_tokens] * chunk.num_tokens)
+            last, tokens = now, tokens + chunk.num_tokens
+        return tokens
+
+    async def point(concurrency: int) -> dict:
+        itl: list[float] = []
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(i, itl) for i in range(concurrency))))
+        wall = time.perf_counter() - start
+        return {"tokens_per_s": round(tokens / wall, 1), "itl_p50_ms": summary(itl)["p50"], "tokens": tokens}
+
+    points = []
+    for concurrency in (1, 4, 16):
+        for batching in (False, True):
+            service.max_batch = batch_size if batching else 1
+            result = asyncio.run(point(concurrency))
+            points.append({"concurrency": concurrency, "batching": batching, **result})
+            print(points[-1])
+    service.max_batch = batch_size
+    return points

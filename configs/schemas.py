@@ -57,6 +57,10 @@ class EngineConfig(_Strict):
     warmup: bool = True
     max_sequences: int = Field(4, ge=1, le=64, description="llama_cpp: KV contexts (concurrent sequences) per replica")
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+    max_batch_size: int = Field(
+        16, ge=1, le=256, description="decode steps of concurrent requests share one forward pass, up to this many "
+        "(1: no batching); transformers engine"
+    )
 
 
 class SamplingDefaults(_Strict):

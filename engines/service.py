@@ -2,14 +2,21 @@
 
 torch releases the GIL in its kernels, but two forward passes at once on a 2-core box only
 thrash. So every forward pass of this replica (target and co-located draft) runs on ONE
-worker thread; requests take turns step by step (round-robin through the executor's FIFO),
-and the event loop stays free for new requests, health checks and cancellations.
+worker thread, and the event loop stays free for new requests, health checks and cancellations.
+
+Iteration-level batching: the decode steps that requests ask for while the worker is busy
+are collected, and the next worker job runs them as ONE forward pass (earliest deadline first
+when more are waiting than `max_batch_size`). A new request's prefill joins the worker's queue
+and its first decode step joins the next batch; a finished request leaves at once. A request
+alone speculates; in a batch it decodes plainly (the batch already reads the weights once for all).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +44,9 @@ class EngineStats:
         self.requests_cancelled = 0
         self.tokens_generated = 0
         self.forward_passes = 0
+        self.decode_batches = 0  # worker jobs that ran decode steps
+        self.batched_steps = 0  # decode steps they ran (batched_steps / decode_batches = mean batch)
+        self.max_batch = 0
         self.active = 0
         self.draft_tokens_proposed = 0
         self.draft_tokens_accepted = 0
@@ -63,6 +73,11 @@ class ModelService:
         self.engine = engine or build_engine(config.engine)
         self.stats = EngineStats()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{config.engine.model_id}")
+        # Batching needs an engine that can decode several sequences in one pass.
+        self.max_batch = config.engine.max_batch_size if hasattr(self.engine, "decode_batch") else 1
+        self._pending: list[tuple[Generation, asyncio.Future]] = []  # decode steps waiting for the worker
+        self._pending_lock = threading.Lock()
+        self._batch_scheduled = False
         self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
         self.costs: CostModel | None = None
         if config.engine.warmup:
@@ -164,7 +179,7 @@ class ModelService:
                     yield chunk
                     return
                 yield chunk
-                chunk = await loop.run_in_executor(self.executor, gen.step)
+                chunk = await self._step(gen)
         finally:
             self.stats.active -= 1
             if finished:
@@ -174,6 +189,43 @@ class ModelService:
                 if gen is not None and not gen.finished:
                     # Free KV / draft state on the worker thread, after any step in flight.
                     self.executor.submit(self._abort, gen, gen.rounds, time.perf_counter())
+
+    async def _step(self, gen: Generation) -> GenerateChunk:
+        """The next decode step of `gen`, batched with whatever other steps are waiting."""
+        loop = asyncio.get_running_loop()
+        if self.max_batch <= 1:
+            return await loop.run_in_executor(self.executor, gen.step)
+        done = loop.create_future()
+        with self._pending_lock:
+            self._pending.append((gen, done))
+            schedule, self._batch_scheduled = not self._batch_scheduled, True
+        if schedule:
+            self.executor.submit(self._run_batch, loop)
+        return await done
+
+    def _run_batch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the worker thread: one forward pass for the waiting decode steps."""
+        with self._pending_lock:
+            waiting = [(g, f) for g, f in self._pending if not f.cancelled()]  # cancelled: no step
+            self._pending = []
+            if len(waiting) > self.max_batch:  # earliest deadline first; the rest go next
+                waiting.sort(key=lambda item: item[0].request.deadline_unix or math.inf)
+                self._pending, waiting = waiting[self.max_batch :], waiting[: self.max_batch]
+                self.executor.submit(self._run_batch, loop)
+            else:
+                self._batch_scheduled = False
+        if not waiting:
+            return
+        gens = [g for g, _ in waiting]
+        try:
+            results: list = [gens[0].step()] if len(gens) == 1 else Generation.step_batch(gens)
+        except Exception as exc:  # never strand a waiting request
+            results = [exc] * len(gens)
+        self.stats.decode_batches += 1
+        self.stats.batched_steps += len(gens)
+        self.stats.max_batch = max(self.stats.max_batch, len(gens))
+        for (_, done), result in zip(waiting, results):
+            loop.call_soon_threadsafe(_resolve, done, result)
 
     def _abort(self, gen: Generation, rounds_at_cancel: int, cancelled_at: float) -> None:
         gen.abort()
@@ -188,3 +240,12 @@ class ModelService:
         chunk = gen.prefill()
         chunk.timings_ms["engine_queue"] = queue_ms
         return chunk
+
+
+def _resolve(done: asyncio.Future, result) -> None:
+    if done.cancelled():
+        return
+    if isinstance(result, BaseException):
+        done.set_exception(result)
+    else:
+        done.set_result(result)

@@ -54,6 +54,50 @@ class TransformersEngine(Engine):
     def score(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
         return self._forward(seq, token_ids, logits_to_keep=0)
 
+    @torch.inference_mode()
+    def decode_batch(self, seqs: list[Sequence], token_ids: list[int]) -> torch.Tensor:
+        """One decode step for several sequences in ONE forward pass; logits [len(seqs), vocab].
+
+        The weights are read once for the whole batch, which is what a decode step on CPU (or
+        GPU) is bound by. Each sequence keeps its own KV cache: for the step they are
+        left-padded into one batch (the padding masked out), and each sequence's new KV entry is
+        appended back to its own cache afterwards.
+        """
+        if len(seqs) == 1:
+            return self.decode_step(seqs[0], token_ids[0]).unsqueeze(0)
+        lengths = [seq.length for seq in seqs]
+        if max(lengths) + 1 > self.max_model_len:
+            raise ValueError(f"sequence would exceed max_model_len={self.max_model_len}")
+        width = max(lengths)
+        batch = DynamicCache(config=self.model.config)
+        for index in range(len(seqs[0].kv.layers)):
+            keys, values = [], []
+            for seq, length in zip(seqs, lengths):
+                layer = seq.kv.layers[index]
+                pad = (0, 0, width - length, 0)  # left-pad the token axis
+                keys.append(torch.nn.functional.pad(layer.keys, pad))
+                values.append(torch.nn.functional.pad(layer.values, pad))
+            batch.update(torch.cat(keys), torch.cat(values), index)
+        mask = torch.zeros(len(seqs), width + 1, dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, width - length :] = 1
+        out = self.model(
+            input_ids=torch.tensor(token_ids, dtype=torch.long).unsqueeze(1),
+            past_key_values=batch,
+            attention_mask=mask,
+            position_ids=torch.tensor(lengths, dtype=torch.long).unsqueeze(1),
+            cache_position=torch.tensor([width]),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for index, layer in enumerate(batch.layers):
+            new_keys, new_values = layer.keys[:, :, width:], layer.values[:, :, width:]
+            for row, seq in enumerate(seqs):
+                seq.kv.update(new_keys[row : row + 1].clone(), new_values[row : row + 1].clone(), index)
+        for seq in seqs:
+            seq.length += 1
+        return out.logits[:, -1].float()
+
     def rollback(self, seq: Sequence, length: int) -> None:
         if length < seq.length:
             seq.kv.crop(length - seq.length)  # transformers 5.x: a negative count of tokens to drop

@@ -77,6 +77,19 @@ class Generation:
         self.rounds += 1
         return chunk
 
+    @staticmethod
+    def step_batch(gens: list["Generation"]) -> list[GenerateChunk]:
+        """One plain decode step for each generation, all in ONE forward pass of their shared
+        engine. Speculation sits this round out: with several requests in the pass, the weights
+        are read once for all of them, which is what a draft round would have saved."""
+        engine = gens[0].engine
+        logits = engine.decode_batch([g.seq for g in gens], [g._last for g in gens])
+        chunks = []
+        for row, gen in enumerate(gens):
+            chunks.append(gen._emit([sample(logits[row], gen.params, gen.rng)]))
+            gen.rounds += 1
+        return chunks
+
     def _step(self) -> GenerateChunk:
         assert not self.finished and self._last is not None
         if self.spec is not None:

@@ -80,6 +80,54 @@ def test_prefix_cache_hits_shared_prefixes_and_keeps_greedy_output_identical(eng
     assert seq.reused == (len(ids) - 1) // block * block, "all full blocks but the last token come from the cache"
 
 
+def test_batched_decode_matches_one_sequence_at_a_time(engine):
+    prompts = ["What is the capital of France?", "Write a poem about the sea, the wind and the moon.", "Hi"]
+    single, batched = [], []
+    for group in (single, batched):
+        for text in prompts:
+            seq = engine.new_sequence()
+            group.append((seq, int(engine.prefill(seq, _prompt(engine, text)).argmax())))
+    for _ in range(8):  # different lengths: the batch is left-padded and masked
+        one = torch.stack([engine.decode_step(seq, tok) for seq, tok in single])
+        many = engine.decode_batch([seq for seq, _ in batched], [tok for _, tok in batched])
+        assert torch.allclose(one, many, atol=1e-3), (one - many).abs().max()
+        assert one.argmax(-1).tolist() == many.argmax(-1).tolist()
+        single = [(seq, int(t)) for (seq, _), t in zip(single, one.argmax(-1))]
+        batched = [(seq, int(t)) for (seq, _), t in zip(batched, many.argmax(-1))]
+    assert [s.length for s, _ in single] == [s.length for s, _ in batched]
+
+
+def test_concurrent_requests_share_forward_passes(serve_file):
+    from engines.service import ModelService
+
+    stage = serve_file.args.target.model_copy(deep=True)
+    stage.speculative.method = "none"
+    stage.engine.warmup = False
+    service = ModelService(stage)
+    questions = ["Name a fruit.", "Name a colour.", "Name a planet.", "Name a river."]
+
+    async def collect(i: int) -> tuple[str, str | None, int]:
+        ids = _prompt(service.engine, questions[i])
+        request = GenerateRequest(f"r{i}", ids, SamplingParams(max_tokens=12, temperature=0.0))
+        text, last = "", None
+        async for chunk in service.generate(request):
+            text, last = text + chunk.text, chunk
+        return text, last.finish_reason, last.completion_tokens
+
+    async def all_at_once():
+        return await asyncio.gather(*(collect(i) for i in range(len(questions))))
+
+    results = asyncio.run(all_at_once())
+    stats = service.snapshot()
+    assert stats["max_batch"] >= 2, stats  # steps were shared
+    assert stats["decode_batches"] < stats["batched_steps"], stats
+    for text, reason, tokens in results:
+        assert text and reason in ("stop", "length") and 1 <= tokens <= 12
+    service.max_batch = 1  # the same requests one forward pass each
+    alone = asyncio.run(all_at_once())
+    assert [r[0] for r in alone] == [r[0] for r in results], "batching changes no greedy output here"
+
+
 def _prompt_with_system(engine, system, question):
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     return engine.tokenizer.encode(
