@@ -78,12 +78,16 @@ class ModelService:
         self._pending: list[tuple[Generation, asyncio.Future]] = []  # decode steps waiting for the worker
         self._pending_lock = threading.Lock()
         self._batch_scheduled = False
+        self._decoding = 0  # requests past their prefill: how many steps a full batch would hold
         self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
         self.costs: CostModel | None = None
+        # On the worker thread, like every later forward pass: a second thread running torch
+        # ops makes OpenMP keep two thread teams on the same cores, and every decode step after
+        # that ran ~2.7x slower here (50 -> 133 ms for SmolLM2 on 2 cores).
         if config.engine.warmup:
-            self._warmup()
+            self.executor.submit(self._warmup).result()
         if self.proposers:
-            self.costs = self._calibrate()
+            self.costs = self.executor.submit(self._calibrate).result()
 
     # ------------------------------------------------------------------ start-up
 
@@ -159,7 +163,7 @@ class ModelService:
         self.stats.requests_started += 1
         self.stats.active += 1
         gen: Generation | None = None
-        finished = False
+        finished = decoding = False
         try:
             if request.deadline_unix is not None and time.time() > request.deadline_unix:
                 finished = True
@@ -167,6 +171,8 @@ class ModelService:
                 return
             gen = Generation(self.engine, request, self._speculation(request))
             chunk = await loop.run_in_executor(self.executor, self._timed_prefill, gen, enqueued)
+            self._decoding += 1
+            decoding = True
             while True:
                 self.stats.forward_passes += 1
                 self.stats.tokens_generated += chunk.num_tokens
@@ -182,6 +188,8 @@ class ModelService:
                 chunk = await self._step(gen)
         finally:
             self.stats.active -= 1
+            if decoding:
+                self._decoding -= 1
             if finished:
                 self.stats.requests_finished += 1
             else:
@@ -203,8 +211,15 @@ class ModelService:
             self.executor.submit(self._run_batch, loop)
         return await done
 
+    BATCH_WAIT_S = 0.003  # longest a step waits for the rest of its batch to ask
+
     def _run_batch(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the worker thread: one forward pass for the waiting decode steps."""
+        # The requests of the last batch ask for their next step one by one, as the event loop
+        # hands each its chunk: give the stragglers a moment instead of running a batch of one.
+        give_up = time.perf_counter() + self.BATCH_WAIT_S
+        while len(self._pending) < min(self._decoding, self.max_batch) and time.perf_counter() < give_up:
+            time.sleep(0.0002)
         with self._pending_lock:
             waiting = [(g, f) for g, f in self._pending if not f.cancelled()]  # cancelled: no step
             self._pending = []
