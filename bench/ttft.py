@@ -82,6 +82,74 @@ def _generate(engine, ids: list[int], max_tokens: int) -> tuple[float, str]:
 
 
 def run(requests: int | None = None, max_tokens: int = 16, quick: bool = False) -> dict:
+    from engines.service import ModelService
+
+    stage = load_serve_config().args.target.model_copy(deep=True)
+    stage.engine.prefix_cache.enabled = False
+    service = ModelService(stage)
+    batching = _batching(service, quick)
+    # Every torch forward pass of this process on ONE thread (the service's worker): a second
+    # thread running torch ops slows both (two OpenMP teams on 2 cores).
+    result = service.executor.submit(_prefix, requests, max_tokens, quick).result()
+    precision = service.executor.submit(_precision, quick).result()
+    return {**result, "batching": batching, "precision": precision}
+
+
+def _precision(quick: bool) -> list[dict]:
+    """Each weight mode against float32: decode speed, TTFT, and greedy agreement: the share of
+    requests whose output is identical, and the share of float32's tokens this mode predicts
+    when fed float32's output (one early difference would otherwise hide the rest)."""
+    from engines.transformers_engine import TransformersEngine
+
+    base = load_serve_config().args.target.engine.model_copy(deep=True)
+    base.prefix_cache.enabled = False
+    questions = QUESTIONS[: 4 if quick else 8]
+    max_tokens = 32
+    outputs: dict[str, list[list[int]]] = {}
+    points = []
+    for dtype in ("float32", "bfloat16", "int8"):
+        config = base.model_copy(update={"dtype": dtype})
+        engine = TransformersEngine(config)
+        tokens_out, ttfts, decode_ms, decode_tokens = [], [], 0.0, 0
+        for q in tqdm(questions, desc=f"precision {dtype}", unit="req"):
+            ids = _ids(engine.tokenizer, [{"role": "user", "content": q}])
+            seq = engine.new_sequence()
+            start = time.perf_counter()
+            token = int(engine.prefill(seq, ids).argmax())
+            ttfts.append((time.perf_counter() - start) * 1000)
+            out = [token]
+            start = time.perf_counter()
+            while len(out) < max_tokens and token not in engine.eos_token_ids:
+                token = int(engine.decode_step(seq, token).argmax())
+                out.append(token)
+            decode_ms += (time.perf_counter() - start) * 1000
+            decode_tokens += len(out) - 1
+            tokens_out.append(out)
+        outputs[dtype] = tokens_out
+        reference = outputs["float32"]
+        same = sum(a == b for a, b in zip(reference, tokens_out))
+        # Teacher-forced: fed float32's own output, how often is this mode's next token the same?
+        agree = total = 0
+        for q, ref in zip(questions, reference):
+            ids = _ids(engine.tokenizer, [{"role": "user", "content": q}])
+            seq = engine.new_sequence()
+            first = int(engine.prefill(seq, ids).argmax())
+            predicted = [first, *engine.score(seq, ref[:-1]).argmax(-1).tolist()] if len(ref) > 1 else [first]
+            agree += sum(int(p == r) for p, r in zip(predicted, ref))
+            total += len(ref)
+        points.append({
+            "dtype": dtype,
+            "ttft_p50_ms": summary(ttfts)["p50"],
+            "decode_tokens_per_s": round(decode_tokens / (decode_ms / 1000), 1) if decode_ms else None,
+            "greedy_identical_rate": round(same / len(questions), 3),
+            "teacher_forced_top1_agreement": round(agree / total, 3),
+        })
+        print(points[-1], flush=True)
+        del engine
+    return points
+
+
+def _prefix(requests: int | None, max_tokens: int, quick: bool) -> dict:
     from engines.transformers_engine import TransformersEngine
 
     config = load_serve_config().args.target.engine
@@ -97,7 +165,7 @@ def run(requests: int | None = None, max_tokens: int = 16, quick: bool = False) 
     results: dict[str, dict] = {}
     identical = True
     total = len(questions) + len(TURNS[: 4 if quick else len(TURNS)])
-    bar = tqdm(total=2 * total, desc="ttft", unit="req")
+    bar = tqdm(total=2 * total, desc="prefix cache off/on", unit="req")
     for name, prompts in workloads.items():
         ttft: dict[str, list[float]] = {"on": [], "off": []}
         for i, ids in enumerate(prompts):
@@ -140,7 +208,6 @@ def run(requests: int | None = None, max_tokens: int = 16, quick: bool = False) 
             "workloads": results,
             "cache": cache.stats(),
         },
-        "batching": _batching(quick),
         "config": {"max_tokens": max_tokens, "block_size": cache.block_size, "dtype": config.dtype},
     }
 
@@ -157,13 +224,9 @@ def _pair(ttft: dict[str, list[float]]) -> dict:
     }
 
 
-def _batching(quick: bool) -> list[dict]:
-    from engines.service import ModelService
+def _batching(service, quick: bool) -> list[dict]:
     from engines.types import GenerateRequest, SamplingParams
 
-    stage = load_serve_config().args.target.model_copy(deep=True)
-    stage.engine.prefix_cache.enabled = False
-    service = ModelService(stage)
     batch_size = service.max_batch
     tokenizer = service.engine.tokenizer
     prompts = [_ids(tokenizer, [{"role": "user", "content": f"{q} Answer in detail."}]) for q in QUESTIONS]
@@ -192,6 +255,6 @@ def _batching(quick: bool) -> list[dict]:
             service.max_batch = batch_size if batching else 1
             result = asyncio.run(point(concurrency))
             points.append({"concurrency": concurrency, "batching": batching, **result})
-            print(points[-1])
+            print(points[-1], flush=True)
     service.max_batch = batch_size
     return points

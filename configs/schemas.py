@@ -50,7 +50,10 @@ class EngineConfig(_Strict):
     )
     model_id: str = Field(..., description="Name clients use in the `model` field")
     source: ModelSource
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "int8"] = Field(
+        "float32", description="weights: float32, bfloat16, or int8 (dynamic int8 Linear layers; transformers "
+        "engine). `python -m bench ttft` measures speed and greedy agreement with float32"
+    )
     num_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads in this replica")
     max_model_len: int = Field(2048, ge=16, description="prompt + completion tokens per request")
     cache_dir: str | None = Field(None, description="converted-weights cache; default ~/.cache/latency-serve")

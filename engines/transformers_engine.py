@@ -15,7 +15,7 @@ from engines.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}  # int8: quantized after load
 
 
 class TransformersEngine(Engine):
@@ -26,6 +26,10 @@ class TransformersEngine(Engine):
         self.model_id = config.model_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[config.dtype]).eval()
+        if config.dtype == "int8":
+            # The decoder's Linear weights stored int8, activations quantized on the fly; the LM
+            # head (tied to the embeddings) stays float32.
+            torch.ao.quantization.quantize_dynamic(self.model.get_decoder(), {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
         self.max_model_len = min(config.max_model_len, getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         pc = config.prefix_cache

@@ -128,6 +128,27 @@ def test_concurrent_requests_share_forward_passes(serve_file):
     assert [r[0] for r in alone] == [r[0] for r in results], "batching changes no greedy output here"
 
 
+# int8 costs this 135M model real quality (bench ttft: ~70% teacher-forced agreement); the
+# floor here only tells "degraded" from "broken" (a broken model agrees on ~0%).
+@pytest.mark.parametrize("dtype, floor", [("bfloat16", 0.8), ("int8", 0.3)])
+def test_reduced_precision_engines_load_and_agree_with_float32(engine, serve_file, dtype, floor):
+    from engines.transformers_engine import TransformersEngine
+
+    config = serve_file.args.target.engine.model_copy(deep=True, update={"dtype": dtype})
+    config.prefix_cache.enabled = False
+    reduced = TransformersEngine(config)
+    linear = reduced.model.get_decoder().layers[0].mlp.up_proj
+    assert ("quantized" in type(linear).__module__) if dtype == "int8" else linear.weight.dtype == torch.bfloat16
+    ids = _prompt(engine, "Name three primary colours.")
+    text, _ = _run(engine, SamplingParams(max_tokens=12, temperature=0.0), ids)
+    reference = engine.tokenizer.encode(text, add_special_tokens=False)
+    seq = reduced.new_sequence()
+    first = int(reduced.prefill(seq, ids).argmax())
+    predicted = [first, *reduced.score(seq, reference[:-1]).argmax(-1).tolist()]
+    agreement = sum(p == r for p, r in zip(predicted, reference)) / len(reference)
+    assert agreement >= floor, f"{dtype} agrees with float32 on {agreement:.0%} of next tokens"
+
+
 def _prompt_with_system(engine, system, question):
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     return engine.tokenizer.encode(
