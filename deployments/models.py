@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import torch
 from ray import serve
+from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
 
 from configs.schemas import ModelStageConfig
@@ -20,10 +21,30 @@ class _ModelDeployment:
         config = ModelStageConfig.model_validate(args)
         remote = RemoteDraft(draft) if draft is not None else None
         self.service = ModelService(config, remote_draft=remote)
+        self._model_tag = {"model": config.engine.model_id}
+        # Prefix-cache tokens on Ray's Prometheus endpoint: hit rate = hit / query.
+        self._prefix_counters = {
+            name: metrics.Counter(f"llm_prefix_cache_{name}_tokens", description=text, tag_keys=("model",))
+            for name, text in (("query", "Prompt tokens looked up in the prefix KV cache"),
+                               ("hit", "Prompt tokens whose KV came from the prefix cache"))
+        }
+        self._prefix_seen = {"query": 0, "hit": 0}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        async for chunk in self.service.generate(request):
-            yield chunk
+        try:
+            async for chunk in self.service.generate(request):
+                yield chunk
+        finally:
+            self._export_prefix_counts()
+
+    def _export_prefix_counts(self) -> None:
+        cache = getattr(self.service.engine, "prefix_cache", None)
+        if cache is None:
+            return
+        for name, total in (("query", cache.query_tokens), ("hit", cache.hit_tokens)):
+            delta, self._prefix_seen[name] = total - self._prefix_seen[name], total
+            if delta > 0:
+                self._prefix_counters[name].inc(delta, tags=self._model_tag)
 
     async def stats(self) -> dict[str, float]:
         return self.service.snapshot()
