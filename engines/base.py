@@ -55,5 +55,9 @@ class Engine(ABC):
     def rollback(self, seq: Sequence, length: int) -> None:
         """Drop KV entries past `length` tokens."""
 
+    def remember(self, seq: Sequence, token_ids: list[int]) -> None:
+        """A finished sequence's tokens (prompt + output, as far as its KV goes): an engine with a
+        prefix cache keeps them, so the next turn of the conversation reuses the answer too."""
+
     def release(self, seq: Sequence | None) -> None:
         """The sequence is finished: free what it holds (a no-op where GC does it)."""

@@ -102,6 +102,11 @@ class TransformersEngine(Engine):
             seq.length += 1
         return out.logits[:, -1].float()
 
+    def remember(self, seq: Sequence, token_ids: list[int]) -> None:
+        if self.prefix_cache is not None and seq.length:
+            layers = [(layer.keys, layer.values) for layer in seq.kv.layers]
+            self.prefix_cache.insert(token_ids[: seq.length], layers)
+
     def rollback(self, seq: Sequence, length: int) -> None:
         if length < seq.length:
             seq.kv.crop(length - seq.length)  # transformers 5.x: a negative count of tokens to drop

@@ -197,6 +197,7 @@ class Generation:
 
     def _finish(self, parts: list[str], emitted: int, reason: str) -> GenerateChunk:
         self.finished = True
+        self.engine.remember(self.seq, self.tokens)  # the KV holds self.tokens[:seq.length]
         self.engine.release(self.seq)
         self.seq = None  # free the KV cache now, not when the caller drops us
         timings: dict[str, float] = {}
