@@ -161,9 +161,9 @@ def wait_replaced(app: str, deployment: str, victim: str, timeout_s: float = 180
 
 def _healthy(app: str, deployment: str) -> bool:
     from ray import serve
+    from ray.serve.schema import DeploymentStatus
 
-    status = serve.status().applications[app].deployments[deployment]
-    return str(status.status).endswith("HEALTHY") and not str(status.status).endswith("UNHEALTHY")
+    return serve.status().applications[app].deployments[deployment].status == DeploymentStatus.HEALTHY
 
 
 def run(requests: int | None = None, max_tokens: int = 24, quick: bool = False) -> dict:

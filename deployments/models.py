@@ -77,7 +77,7 @@ class DraftModel(_ModelDeployment):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.service.executor, self.sessions.end, session_id)
 
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> dict[str, float]:
         return {
             **self.service.snapshot(),
             "draft_sessions_recomputed": self.sessions.recomputed,

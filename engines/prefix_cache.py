@@ -4,8 +4,9 @@ Prompts are cut into blocks of `block_size` tokens. A block is keyed by a hash c
 tokens and its parent's key), so a key names the whole prefix up to that block, as in vLLM's
 automatic prefix caching. A new prompt walks its blocks until the first miss, takes those KV
 slices, and prefills only the rest. Blocks are evicted least recently used under a byte
-budget; a lookup touches a chain from its last block back to its first, so a parent is always
-more recent than its children and leaves go first.
+budget; a lookup or insert touches a chain from its last block back to its first, so a parent
+is always more recent than its children and leaves go first. (Blocks stored together share one
+copy, freed when the last of them is evicted: the budget counts each block's own bytes.)
 
 The engine runs every forward pass on one worker thread, so this needs no locks.
 """
@@ -65,15 +66,25 @@ class PrefixCache:
         return reused, layers
 
     def insert(self, token_ids: Sequence[int], layers: Sequence[LayerKV]) -> None:
-        """Store the prompt's full blocks that are not cached yet, from a sequence's KV."""
+        """Store the full blocks of `token_ids` that are not cached yet, from a sequence's KV.
+
+        One copy per layer of the whole new span, each block a view into it: copying block by
+        block cost ~19 ms for a 330-token prompt (1,200 small copies), on the way to the first token.
+        """
         b = self.block_size
-        for index, (key, tokens) in enumerate(self._keys(token_ids, len(token_ids))):
-            if key in self._blocks:
-                continue
-            lo, hi = index * b, (index + 1) * b
-            block = [(k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone()) for k, v in layers]
-            self._blocks[key] = (tokens, block)
-            self.bytes += sum(k.nbytes + v.nbytes for k, v in block)
+        chain = self._keys(token_ids, len(token_ids))
+        new = [i for i, (key, _) in enumerate(chain) if key not in self._blocks]
+        if new:
+            lo, hi = new[0] * b, (new[-1] + 1) * b
+            span = [(k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone()) for k, v in layers]
+            block_bytes = sum(k.nbytes + v.nbytes for k, v in span) * b // (hi - lo)
+            for index in new:
+                start = index * b - lo
+                block = [(k[:, :, start : start + b], v[:, :, start : start + b]) for k, v in span]
+                self._blocks[chain[index][0]] = (chain[index][1], block)
+                self.bytes += block_bytes
+        for key, _ in reversed(chain):  # children first, so parents end up most recent
+            self._blocks.move_to_end(key)
         while self.bytes > self.max_bytes and self._blocks:
             _, (_, evicted) = self._blocks.popitem(last=False)
             self.bytes -= sum(k.nbytes + v.nbytes for k, v in evicted)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-
+import traceback
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -68,7 +68,12 @@ def build_api(pipeline: Pipeline) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Response:
-        log.error("unhandled error in the ingress: %s", describe(exc, with_message=pipeline.args.ingress.log_prompts))
+        # The frames carry no user data and are what a bug report needs; the message may quote input.
+        log.error(
+            "unhandled error in the ingress: %s\n%s",
+            describe(exc, with_message=pipeline.args.ingress.log_prompts),
+            "".join(traceback.format_tb(exc.__traceback__)),
+        )
         return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
 
     app.openapi = lambda: _openapi_schema(app, pipeline)  # type: ignore[method-assign]
