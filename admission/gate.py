@@ -1,99 +1,282 @@
-"""In-process FIFO admission gate, run inside each ingress replica.
+"""Deadline-aware admission, decided in-process inside each ingress replica (no hop).
 
-The decision costs no hop: the ingress checks its own counters. The controller only tells
-each replica its share of the service-wide limits, off the request path.
+Every request arrives as a `Ticket`: its model, tier priority, deadlines and token counts. The
+gate predicts when it could start and when it would finish, from live state (who is running,
+who is queued ahead, the fleet's load from the controller) and online service-time estimates:
+
+    start now      a slot is free, nobody more urgent waits, it meets its own deadlines, and
+                   the requests already running still meet theirs with one more sequence
+                   sharing the model's decode steps;
+    queue          it can't start now but is predicted to make it if it starts when the
+                   running requests ahead of it finish; waits in (priority, deadline) order
+                   (EDF within a tier), and is dropped the moment its latest useful start
+                   time passes, before it ever reaches the model;
+    shed           predicted to miss its deadline wherever it waits, or the queue is full:
+                   503 at once, with the prediction and a Retry-After.
+
+An idle model always takes the request: nothing is gained by turning it away.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from dataclasses import dataclass
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from admission.estimates import ServiceEstimates
+
+INF = float("inf")
+
+
+@dataclass(eq=False)
+class Ticket:
+    model_id: str
+    tier: str
+    priority: int  # 0 first
+    prompt_tokens: int
+    max_tokens: int
+    deadline: float | None = None  # time.monotonic() by which the last token must arrive
+    ttft_deadline: float | None = None  # ... and the first one
+    arrived: float = field(default_factory=time.monotonic)
+    # Set when it starts:
+    started: float | None = None
+    concurrency_at_start: float = 1.0
+    finish_at: float = 0.0  # predicted
+
+    def latest(self) -> float:
+        return min(self.deadline or INF, self.ttft_deadline or INF)
+
+
+@dataclass
+class Prediction:
+    wait_ms: float
+    ttft_ms: float
+    e2e_ms: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in vars(self).items()}
 
 
 @dataclass
 class Rejection(Exception):
     """Why a request was not admitted. Rendered as 503 + Retry-After + JSON body."""
 
-    reason: str  # "queue_full" | "deadline_in_queue"
+    reason: str  # "queue_full" | "deadline_unmeetable" | "deadline_in_queue"
     message: str
     retry_after_s: int
     queued_ahead: int
     waited_ms: float = 0.0
+    predicted: Prediction | None = None
 
 
 class AdmissionGate:
-    def __init__(self, max_inflight: int, max_queued: int, retry_after_s: int = 1) -> None:
+    def __init__(
+        self,
+        max_inflight: int,
+        max_queued: int,
+        retry_after_s: int = 1,
+        estimates: ServiceEstimates | None = None,
+        safety: float = 1.1,
+        clock=time.monotonic,
+    ) -> None:
         self.max_inflight = max_inflight
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
-        self.inflight = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.estimates = estimates or ServiceEstimates(60.0, 0.5)
+        self.safety = safety
+        self._clock = clock
+        self.running: set[Ticket] = set()
+        self.others_inflight: dict[str, int] = {}  # other ingress replicas' running, from the controller
+        self._queue: list[tuple[int, float, int, Ticket, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
         self.admitted = 0
-        self.rejected = 0
+        self.rejected: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def inflight(self) -> int:
+        return len(self.running)
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return sum(1 for *_, w in self._queue if not w.done())
 
-    def set_limits(self, max_inflight: int, max_queued: int) -> None:
+    def running_by_model(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.running:
+            out[t.model_id] = out.get(t.model_id, 0) + 1
+        return out
+
+    def concurrency(self, model_id: str) -> int:
+        return sum(1 for t in self.running if t.model_id == model_id) + self.others_inflight.get(model_id, 0)
+
+    def set_limits(self, max_inflight: int, max_queued: int, others_inflight: dict[str, int] | None = None) -> None:
         self.max_inflight = max(1, max_inflight)
         self.max_queued = max(0, max_queued)
+        if others_inflight is not None:
+            self.others_inflight = dict(others_inflight)
         self._wake()
 
-    async def acquire(self, timeout_s: float) -> None:
-        """Admit now, wait in FIFO order, or raise `Rejection`. Pair with `release()`."""
-        if self.inflight < self.max_inflight and not self._waiters:
-            self.inflight += 1
-            self.admitted += 1
+    # ------------------------------------------------------------------ prediction
+
+    def _service_ms(self, t: Ticket, concurrency: float) -> tuple[float, float]:
+        """(time to first token, time to last token) once started, at this concurrency."""
+        est = self.estimates[t.model_id]
+        itl = est.itl_ms(concurrency)
+        # A batching engine finishes the step in progress before taking a new sequence in.
+        first = est.prefill_ms(t.prompt_tokens) + (itl if concurrency > 1 else 0.0)
+        return first * self.safety, (first + est.expected_tokens(t.max_tokens) * itl) * self.safety
+
+    def _fits_now(self, t: Ticket, now: float) -> bool:
+        """Can it start now without missing its own deadlines or pushing a running one past its?"""
+        c = self.concurrency(t.model_id) + 1
+        first_ms, last_ms = self._service_ms(t, c)
+        if t.ttft_deadline is not None and now + first_ms / 1000 > t.ttft_deadline:
+            return False
+        if t.deadline is not None and now + last_ms / 1000 > t.deadline:
+            return False
+        est = self.estimates[t.model_id]
+        slowdown = est.itl_ms(c)
+        stall = first_ms / 1000  # its prefill holds up the others' decode steps
+        for r in self.running:
+            if r.model_id != t.model_id or r.deadline is None:
+                continue
+            left = max(0.0, r.finish_at - now) * slowdown / max(1e-6, est.itl_ms(r.concurrency_at_start))
+            if now + left + stall > r.deadline:
+                return False
+        return True
+
+    def _idle(self, model_id: str) -> bool:
+        return self.concurrency(model_id) == 0
+
+    def predict(self, t: Ticket, ahead: list[Ticket], now: float) -> Prediction:
+        """When `t` would start and finish if it waited behind `ahead`: each departure of a
+        running request lets the next one in, at today's concurrency."""
+        c = max(1, self.concurrency(t.model_id))
+        slots = sorted(r.finish_at for r in self.running) or [now]
+        slots = [max(now, s) for s in slots][: max(1, min(len(slots), self.max_inflight))]
+        heapq.heapify(slots)
+        for q in ahead:
+            free = heapq.heappop(slots)
+            heapq.heappush(slots, free + self._service_ms(q, c)[1] / 1000)
+        start = slots[0] if (ahead or self.inflight >= self.max_inflight or not self._idle(t.model_id)) else now
+        first_ms, last_ms = self._service_ms(t, c)
+        wait_ms = (start - now) * 1000
+        return Prediction(wait_ms, (now - t.arrived) * 1000 + wait_ms + first_ms, (now - t.arrived) * 1000 + wait_ms + last_ms)
+
+    def would_meet(self, t: Ticket) -> bool:
+        """Could this ticket start now, or after those already queued, and meet its deadlines?"""
+        now = self._clock()
+        if not self._queue_ahead(t) and self.inflight < self.max_inflight and (self._idle(t.model_id) or self._fits_now(t, now)):
+            return True
+        return self._meets(t, self.predict(t, self._queue_ahead(t), now))
+
+    def _meets(self, t: Ticket, p: Prediction) -> bool:
+        if t.ttft_deadline is not None and t.arrived + p.ttft_ms / 1000 > t.ttft_deadline:
+            return False
+        return t.deadline is None or t.arrived + p.e2e_ms / 1000 <= t.deadline
+
+    def _queue_ahead(self, t: Ticket) -> list[Ticket]:
+        key = (t.priority, t.deadline or INF)
+        return [q for p, d, _, q, w in self._queue if not w.done() and (p, d) <= key]
+
+    # ------------------------------------------------------------------ decisions
+
+    async def acquire(self, t: Ticket) -> None:
+        """Start now, wait in (priority, deadline) order, or raise `Rejection`. Pair with `release(t)`."""
+        now = self._clock()
+        ahead = self._queue_ahead(t)
+        if not ahead and self.inflight < self.max_inflight and (self._idle(t.model_id) or self._fits_now(t, now)):
+            self._start(t, now)
             return
-        ahead = len(self._waiters)
-        if ahead >= self.max_queued:
-            self.rejected += 1
-            raise Rejection("queue_full", "the service is at capacity and its queue is full", self.retry_after_s, ahead)
+        if len(ahead) >= self.max_queued or self.queued >= self.max_queued:
+            raise self._reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
+        predicted = self.predict(t, ahead, now)
+        if not self._meets(t, predicted):
+            raise self._reject(
+                "deadline_unmeetable",
+                "the service can't meet this request's deadline at the current load",
+                t, len(ahead), predicted,
+            )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        entry = (t.priority, t.deadline or INF, next(self._seq), t, waiter)
+        heapq.heappush(self._queue, entry)
+        # The latest start that can still meet its deadlines: past it, it is dropped unserved.
+        first_ms, last_ms = self._service_ms(t, max(1, self.concurrency(t.model_id)))
+        latest = min((t.deadline or INF) - last_ms / 1000, (t.ttft_deadline or INF) - first_ms / 1000)
+        timeout = None if latest == INF else max(0.0, latest - now)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), timeout=max(0.0, timeout_s))
+            await asyncio.wait_for(asyncio.shield(waiter), timeout=timeout)
         except asyncio.TimeoutError:
             if waiter.done() and not waiter.cancelled():
-                return  # admitted in the same instant the timeout fired: keep the slot
-            self._discard(waiter)
-            self.rejected += 1
-            waited = (loop.time() - start) * 1000
-            raise Rejection(
-                "deadline_in_queue",
-                "the request's deadline passed while it waited for a slot",
-                self.retry_after_s,
-                ahead,
-                waited,
+                return  # started in the same instant the timeout fired: keep the slot
+            waiter.cancel()
+            raise self._reject(
+                "deadline_in_queue", "the request's deadline could no longer be met while it waited",
+                t, len(ahead), waited_ms=(self._clock() - now) * 1000,
             ) from None
-        except asyncio.CancelledError:
-            # Client went away while queued: give the slot back if we had just received it.
+        except asyncio.CancelledError:  # the client went away while queued
             if waiter.done() and not waiter.cancelled():
-                self.release()
+                self.release(t)
             else:
-                self._discard(waiter)
+                waiter.cancel()
             raise
-        self.admitted += 1
+        finally:
+            self._prune()
+            self._wake()  # a dropped head may have held up requests that can start
 
-    def release(self) -> None:
-        self.inflight -= 1
+    def release(self, t: Ticket) -> None:
+        self.running.discard(t)
         self._wake()
 
-    def _discard(self, waiter: asyncio.Future[None]) -> None:
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
-            pass
-        waiter.cancel()
+    def _start(self, t: Ticket, now: float) -> None:
+        c = self.concurrency(t.model_id) + 1
+        t.started, t.concurrency_at_start = now, c
+        t.finish_at = now + self._service_ms(t, c)[1] / 1000
+        self.running.add(t)
+        self.admitted += 1
 
     def _wake(self) -> None:
-        while self._waiters and self.inflight < self.max_inflight:
-            waiter = self._waiters.popleft()
+        """Start queued tickets in order while the head fits; a head that can no longer meet
+        its deadline even if started now is dropped (its waiter times out at once)."""
+        while self._queue and self.inflight < self.max_inflight:
+            _, _, _, t, waiter = self._queue[0]
             if waiter.done():
+                heapq.heappop(self._queue)
                 continue
-            self.inflight += 1  # the slot is handed over, not re-raced
+            now = self._clock()
+            if not (self._idle(t.model_id) or self._fits_now(t, now)):
+                return  # head of line: more urgent requests are not overtaken
+            heapq.heappop(self._queue)
+            self._start(t, now)  # the slot is handed over, not re-raced
             waiter.set_result(None)
+
+    def _prune(self) -> None:
+        self._queue = [e for e in self._queue if not e[4].done()]
+        heapq.heapify(self._queue)
+
+    def _reject(self, reason: str, message: str, t: Ticket, ahead: int, predicted: Prediction | None = None,
+                waited_ms: float = 0.0) -> Rejection:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        now = self._clock()
+        # Retry when the earliest running request is predicted to finish.
+        soonest = min((r.finish_at for r in self.running), default=now)
+        retry = max(self.retry_after_s, math.ceil(max(0.0, soonest - now)))
+        return Rejection(reason, message, retry, ahead, waited_ms, predicted)
+
+    def snapshot(self) -> dict:
+        return {
+            "inflight": self.inflight,
+            "queued": self.queued,
+            "max_inflight": self.max_inflight,
+            "max_queued": self.max_queued,
+            "running_by_model": self.running_by_model(),
+            "others_inflight": dict(self.others_inflight),
+            "admitted": self.admitted,
+            "rejected": dict(self.rejected),
+            "estimates": self.estimates.snapshot(),
+        }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from configs.schemas import AdmissionConfig
 
@@ -15,6 +15,7 @@ class ReplicaReport:
     queued: int
     admitted: int
     rejected: int
+    running_by_model: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class AdmissionShare:
     max_inflight: int
     max_queued: int
     live_replicas: int
+    others_inflight: dict[str, int] = field(default_factory=dict)  # the other replicas' running, by model
 
 
 class AdmissionLedger:
@@ -37,10 +39,16 @@ class AdmissionLedger:
         horizon = now - 3 * self.config.sync_interval_s
         self._seen = {rid: v for rid, v in self._seen.items() if v[0] >= horizon}
         live = len(self._seen)
+        others: dict[str, int] = {}
+        for rid, (_, r) in self._seen.items():
+            if rid != replica_id:
+                for model, n in r.running_by_model.items():
+                    others[model] = others.get(model, 0) + n
         return AdmissionShare(
             max_inflight=max(1, math.ceil(self.config.max_inflight / live)),
             max_queued=math.ceil(self.config.max_queued / live),
             live_replicas=live,
+            others_inflight=others,
         )
 
     def totals(self) -> dict[str, int]:

@@ -6,8 +6,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from admission.gate import AdmissionGate
 from admission.ledger import AdmissionShare, ReplicaReport
+from admission.policy import AdmissionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -15,19 +15,20 @@ ReportFn = Callable[[str, ReplicaReport], Awaitable[AdmissionShare]]
 
 
 class AdmissionSync:
-    def __init__(self, gate: AdmissionGate, report: ReportFn, replica_id: str, interval_s: float) -> None:
-        self.gate = gate
+    def __init__(self, policy: AdmissionPolicy, report: ReportFn, replica_id: str, interval_s: float) -> None:
+        self.policy = policy
         self._report = report
         self.replica_id = replica_id
         self.interval_s = interval_s
         self.last_share: AdmissionShare | None = None
 
     async def sync_once(self) -> AdmissionShare:
-        gate = self.gate
-        share = await self._report(
-            self.replica_id, ReplicaReport(gate.inflight, gate.queued, gate.admitted, gate.rejected)
+        gate = self.policy.gate
+        report = ReplicaReport(
+            gate.inflight, gate.queued, gate.admitted, sum(gate.rejected.values()), gate.running_by_model()
         )
-        gate.set_limits(share.max_inflight, share.max_queued)
+        share = await self._report(self.replica_id, report)
+        self.policy.synced(share.max_inflight, share.max_queued, share.others_inflight, share.live_replicas)
         self.last_share = share
         return share
 

@@ -204,14 +204,78 @@ class CacheConfig(_Strict):
     semantic: SemanticConfig = SemanticConfig()
 
 
-class AdmissionConfig(_Strict):
-    """FIFO admission limit, shared out among ingress replicas by the controller."""
+class TierConfig(_Strict):
+    """An SLO tier: its deadlines, its place in the queue and its token budgets."""
 
+    priority: int = Field(0, ge=0, le=100, description="0 is served first; EDF (earliest deadline) within a tier")
+    ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token target; None: only e2e counts")
+    e2e_ms: float = Field(15_000, gt=0, description="default deadline (x-request-deadline-ms overrides it)")
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="longer conversations are trimmed (system prompt + latest turns kept)"
+    )
+    max_output_tokens: int | None = Field(None, ge=1, description="max_tokens above this is lowered to it")
+    downgrade: bool = Field(
+        False, description="model=auto requests may go to the small model when only it can meet the deadline"
+    )
+
+
+class TenantLimits(_Strict):
+    """Token buckets of one tenant, service-wide (each ingress replica enforces its share)."""
+
+    tier: str | None = Field(None, description="the tier of this tenant's requests when no header names one")
+    allowed_tiers: list[str] | None = Field(None, description="tiers its x-slo-tier header may pick; None: any")
+    requests_per_s: float = Field(50.0, gt=0)
+    request_burst: float = Field(100.0, ge=1)
+    tokens_per_s: float = Field(100_000.0, gt=0, description="prompt + max_tokens, per second")
+    token_burst: float = Field(200_000.0, ge=1)
+
+
+def _default_tiers() -> dict[str, TierConfig]:
+    return {
+        "interactive": TierConfig(priority=0, ttft_ms=1000, e2e_ms=15_000, downgrade=True),
+        "batch": TierConfig(priority=1, e2e_ms=120_000),
+    }
+
+
+class AdmissionConfig(_Strict):
+    """Deadline-aware admission, decided in each ingress replica; the controller shares out the
+    service-wide limits and the fleet's load, off the request path."""
+
+    mode: Literal["predictive", "fifo"] = Field(
+        "predictive", description="predictive: shed requests whose deadline can't be met, EDF queue; "
+        "fifo: no deadlines, first come first served (what plain Ray Serve / vLLM do)"
+    )
+    allow_mode_header: bool = Field(
+        False, description="let `x-admission-mode: fifo|predictive` pick the mode per request (benchmarks only)"
+    )
     max_inflight: int = Field(32, ge=1, description="requests generating at once, whole service")
     max_queued: int = Field(64, ge=0, description="requests waiting for a slot, whole service")
     default_queue_timeout_s: float = Field(30.0, gt=0, description="wait when no deadline is given")
     sync_interval_s: float = Field(1.0, gt=0, description="how often ingress replicas sync with the controller")
-    retry_after_s: int = Field(1, ge=0)
+    retry_after_s: int = Field(1, ge=0, description="Retry-After floor; sheds add the predicted wait")
+    default_tier: str = "interactive"
+    tiers: dict[str, TierConfig] = Field(default_factory=_default_tiers)
+    tenants: dict[str, TenantLimits] = Field(
+        default_factory=dict, description="by tenant id (`python -m admission.tenant KEY` prints a key's id); "
+        "`default` applies to every tenant not listed"
+    )
+    prior_itl_ms: float = Field(60.0, gt=0, description="decode ms/token assumed until measured")
+    prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until measured")
+    safety: float = Field(1.1, ge=1.0, description="predicted times are multiplied by this before comparing")
+
+    @model_validator(mode="after")
+    def _tiers_known(self) -> "AdmissionConfig":
+        if self.default_tier not in self.tiers:
+            raise ValueError(f"default_tier {self.default_tier!r} is not in tiers {sorted(self.tiers)}")
+        for name, tenant in self.tenants.items():
+            named = ([tenant.tier] if tenant.tier else []) + (tenant.allowed_tiers or [])
+            unknown = set(named) - set(self.tiers)
+            if unknown:
+                raise ValueError(f"tenants.{name} names unknown tiers {sorted(unknown)}")
+        return self
+
+    def tenant(self, tenant_id: str) -> TenantLimits:
+        return self.tenants.get(tenant_id) or self.tenants.get("default") or TenantLimits()
 
 
 class IngressConfig(_Strict):

@@ -123,7 +123,7 @@ class Ingress:
         except Exception:
             pass
         self._admission = AdmissionSync(
-            self.pipeline.gate, admission.report.remote, replica_id, config.admission.sync_interval_s
+            self.pipeline.admission, admission.report.remote, replica_id, config.admission.sync_interval_s
         )
         self._sync_task = asyncio.create_task(self._admission.run_forever())
         # Ready means every stage on the request path answers: /health says 503 until then, and

@@ -40,17 +40,11 @@ def build_api(pipeline: Pipeline) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        gate = pipeline.gate
         return JSONResponse(
             status_code=200 if pipeline.ready else 503,
             content={
                 "status": "ok" if pipeline.ready else "warming",
-                "admission": {
-                    "inflight": gate.inflight,
-                    "queued": gate.queued,
-                    "max_inflight": gate.max_inflight,
-                    "max_queued": gate.max_queued,
-                },
+                "admission": pipeline.admission.snapshot(),
                 "router": pipeline.router_stats(),
                 "cache": {"lookup_failures": pipeline.cache_failures},
             },
@@ -83,7 +77,8 @@ def build_api(pipeline: Pipeline) -> FastAPI:
 # Request headers the pipeline reads (ingress/context.py), documented so clients and fuzzers see them.
 _HEADERS = {
     "x-request-deadline-ms": ("number", "Deadline for the whole request, in milliseconds from now."),
-    "x-slo-tier": ("string", "SLO tier (default: interactive)."),
+    "x-slo-tier": ("string", "SLO tier (admission.tiers in serve_config.yaml; default: the key's tier, else interactive)."),
+    "x-admission-mode": ("string", "predictive or fifo; honored only with admission.allow_mode_header (benchmarks)."),
     "x-tenant": ("string", "A namespace inside the API key's tenant: [A-Za-z0-9_.:-]{1,64}."),
     "x-request-id": ("string", "Echoed back; used in response ids."),
     "cache-control": ("string", "no-cache: skip the cache lookup; no-store: do not cache the answer."),

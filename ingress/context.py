@@ -19,12 +19,17 @@ DEFAULT_TIER = "interactive"
 class RequestContext:
     request_id: str
     tenant: str
-    tier: str
-    deadline: float | None  # time.monotonic() deadline, or None
+    tier: str  # resolved against the configured tiers by the admission policy
+    deadline: float | None  # time.monotonic(): the client's own deadline (a hard cut-off), or None
     no_cache: bool = False  # Cache-Control: no-cache -> skip the lookup
     no_store: bool = False  # Cache-Control: no-store -> skip the write
     cache_sampled: bool = False  # x-cache-sampled: allow -> a temperature > 0 request may use the cache
     received: float = field(default_factory=time.monotonic)
+    tier_from_header: bool = False
+    # What admission aims for: the client's deadline, else its tier's. Missing it is an SLO
+    # miss, not an error: only the client's own deadline cuts a request off.
+    target_deadline: float | None = None
+    ttft_deadline: float | None = None
 
     def remaining_s(self, ceiling: float) -> float:
         """Seconds left for this request: its deadline, capped by a ceiling."""
@@ -32,10 +37,12 @@ class RequestContext:
             return max(0.0, ceiling - (time.monotonic() - self.received))
         return max(0.0, min(self.deadline - time.monotonic(), ceiling))
 
-    def deadline_unix(self) -> float | None:
-        if self.deadline is None:
+    def target_unix(self) -> float | None:
+        """The target deadline as wall-clock time (what the engine orders and drops by)."""
+        target = self.target_deadline or self.deadline
+        if target is None:
             return None
-        return time.time() + (self.deadline - time.monotonic())
+        return time.time() + (target - time.monotonic())
 
 
 def tenant_from_headers(headers: Mapping[str, str]) -> str:
@@ -55,7 +62,8 @@ def context_from_headers(headers: Mapping[str, str]) -> RequestContext:
     request_id = headers.get("x-request-id") or uuid.uuid4().hex
     if not _TOKEN.match(request_id):
         request_id = uuid.uuid4().hex
-    tier = headers.get("x-slo-tier") or headers.get("x-priority") or DEFAULT_TIER
+    asked_tier = headers.get("x-slo-tier") or headers.get("x-priority")
+    tier = asked_tier or DEFAULT_TIER
     if not _TOKEN.match(tier):
         raise bad_request("x-slo-tier must be 1-64 characters of [A-Za-z0-9_.:-]", "x-slo-tier")
     deadline = None
@@ -73,6 +81,7 @@ def context_from_headers(headers: Mapping[str, str]) -> RequestContext:
         request_id=request_id,
         tenant=tenant_from_headers(headers),
         tier=tier,
+        tier_from_header=asked_tier is not None,
         deadline=deadline,
         no_cache="no-cache" in cache_control,
         no_store="no-store" in cache_control,

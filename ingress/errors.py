@@ -11,6 +11,7 @@ from starlette.responses import Response
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     408: "timeout",
     413: "invalid_request_error",

@@ -7,8 +7,10 @@
                             once per request) and a semantic hop (Qdrant)
                    routing = rules, then the difficulty classifier on that same embedding,
                              its threshold shifted by live load (in-process: microseconds)
+              ─► tenant rate limits (429 + Retry-After), in-process
               ─► hit: answer now (x-cache: hit), taking no admission slot
-              ─► admission gate, in-process, no hop (503 + Retry-After)
+              ─► admission, in-process, no hop: start, queue (EDF within tier), downgrade
+                 to the small model, or shed (503 + Retry-After + the prediction)
               ─► near miss: its answer rides along as a speculative draft (x-cache: hint);
                  miss: generate
               ─► identical requests already in flight share that generation (single-flight)
@@ -35,8 +37,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from admission.gate import AdmissionGate, Rejection
-from configs.schemas import AppArgs
+from admission.budget import trim_conversation
+from admission.gate import AdmissionGate, Ticket
+from admission.policy import AdmissionPolicy, Mode
+from configs.schemas import AppArgs, TierConfig
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from ingress.coalescing import Flights
 from ingress.context import RequestContext, context_from_headers
@@ -91,12 +95,17 @@ class Prepared:
     scope: str | None  # semantic scope (None: exact match only)
     query: str | None  # the last user turn, what the semantic lookup compares
     tokenize: Callable[[PromptBuilder], list[int]]  # re-tokenize for another model's tokenizer
+    tier: TierConfig
+    mode: Mode
     prompt_ids: list[int] = field(default_factory=list)  # filled by _tokenize
     vector: Any = None  # the request's embedding, once computed (shared by cache and router)
     vector_task: asyncio.Future | None = None  # computing it: whoever asks first starts it
     exact_done: asyncio.Event = field(default_factory=asyncio.Event)  # the exact-match phase is over
     coalesced: bool = False  # follows an identical generation already in flight
     retried: bool = False  # a model replica died under this request and it was sent again
+    ticket: Ticket | None = None  # its admission slot (predictive mode)
+    admitted_at: float = 0.0  # perf_counter() when admitted: model-side times count from here
+    notes: dict[str, str] = field(default_factory=dict)  # response headers saying what admission changed
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -111,8 +120,10 @@ class ReplicaFailed(APIError):
 class Permit:
     """An admission slot, released exactly once whoever gets there first."""
 
-    def __init__(self, gate: AdmissionGate) -> None:
-        self._gate: AdmissionGate | None = gate
+    def __init__(self, gate: AdmissionGate | None, ticket: Ticket | None = None) -> None:
+        self._gate = gate
+        self._ticket = ticket
+        self._released = False
         self._also: list[Callable[[], None]] = []
 
     def also(self, callback: Callable[[], None]) -> None:
@@ -120,9 +131,10 @@ class Permit:
         self._also.append(callback)
 
     def release(self) -> None:
-        if self._gate is not None:
-            self._gate.release()
-            self._gate = None
+        if not self._released:
+            self._released = True
+            if self._gate is not None and self._ticket is not None:
+                self._gate.release(self._ticket)
             for callback in self._also:
                 callback()
 
@@ -145,8 +157,8 @@ class Pipeline:
             args.draft.engine.model_id: args.draft.engine.max_model_len,
             args.router.auto_model_id: args.target.engine.max_model_len,
         }
-        adm = args.admission
-        self.gate = AdmissionGate(adm.max_inflight, adm.max_queued, adm.retry_after_s)
+        self.admission = AdmissionPolicy(args.admission)
+        self.gate = self.admission.gate
         self.ready = True  # the deployment sets False until its downstream stages answer
         large, small = args.target.engine.model_id, args.draft.engine.model_id
         # Built here even with placement: remote, to know which requests need the embedding.
@@ -162,8 +174,12 @@ class Pipeline:
         try:
             t = time.perf_counter()
             ctx = context_from_headers(request.headers)
+            mode = self.admission.mode(request.headers)
+            tier = self.admission.tier(ctx)
+            if mode == "fifo":  # admission off: no deadlines, first come first served
+                ctx.deadline = ctx.target_deadline = ctx.ttft_deadline = None
             body = await self._read_json(request)
-            prepared = self._prepare(kind, body, ctx)
+            prepared = self._prepare(kind, body, ctx, tier, mode)
             prepared.timings["prepare"] = _ms(t)
             if self.args.ingress.log_prompts:  # opt-in only: prompts are user data
                 log.info("request %s tenant=%s %s: %s", ctx.request_id, ctx.tenant, kind, json.dumps(body)[:4000])
@@ -223,7 +239,9 @@ class Pipeline:
         except (ValueError, RecursionError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
 
-    def _prepare(self, kind: Kind, body: Any, ctx: RequestContext) -> Prepared:
+    def _prepare(
+        self, kind: Kind, body: Any, ctx: RequestContext, tier: TierConfig | None = None, mode: Mode | None = None
+    ) -> Prepared:
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = _validate(schema, body)
         unsupported = req.unsupported()
@@ -286,17 +304,49 @@ class Pipeline:
             scope=scope,
             query=query,
             tokenize=tokenize,
+            tier=tier or self.admission.tier(ctx),
+            mode=mode or self.args.admission.mode,
         )
 
     def _tokenize(self, p: Prepared) -> None:
         """Prompt ids and the output budget; 400 when the prompt is empty or can't fit."""
         t = time.perf_counter()
-        p.prompt_ids = p.tokenize(self.prompts[p.requested_model])
+        builder = self.prompts[p.requested_model]
+        p.prompt_ids = p.tokenize(builder)
         if not p.prompt_ids:
             raise bad_request("the prompt is empty", "messages" if p.kind == "chat" else "prompt")
+        budget = p.tier.max_input_tokens
+        if budget is not None and len(p.prompt_ids) > budget:
+            self._trim(p, builder, budget)
         p.sampling.max_tokens = self._output_budget(p.request, len(p.prompt_ids))
+        cap = p.tier.max_output_tokens
+        if cap is not None and p.sampling.max_tokens > cap:
+            p.notes["x-max-tokens-clamped"] = f"{p.sampling.max_tokens}->{cap}; tier={p.ctx.tier}"
+            p.sampling.max_tokens = cap
         p.features.prompt_tokens = len(p.prompt_ids)
         p.timings["tokenize"] = _ms(t)
+
+    def _trim(self, p: Prepared, builder: PromptBuilder, budget: int) -> None:
+        """Over the tier's input budget: drop the oldest turns (never the system prompt or the
+        last message) and say so; a prompt that can't be trimmed to fit is a 400."""
+        req = p.request
+        fitted = None
+        if isinstance(req, ChatCompletionRequest):
+            fitted = trim_conversation(req.messages, lambda m: m.role, lambda ms: len(builder.chat(ms)), budget)
+        if fitted is None:
+            raise bad_request(
+                f"the {p.ctx.tier!r} tier allows {budget} input tokens and "
+                + ("the system prompt plus the last message alone" if p.kind == "chat" else "the prompt")
+                + f" are over it ({len(p.prompt_ids)} tokens in all; the model's context window is "
+                f"{self.max_model_len[p.requested_model]})",
+                "messages" if p.kind == "chat" else "prompt",
+                "context_length_exceeded",
+            )
+        kept, dropped, tokens = fitted
+        p.tokenize = lambda b: b.chat(kept)  # noqa: E731  (a routed model re-tokenizes the trimmed turns)
+        before = len(p.prompt_ids)
+        p.prompt_ids = builder.chat(kept)
+        p.notes["x-context-trimmed"] = f"dropped_messages={dropped}; tokens={before}->{tokens}; tier={p.ctx.tier}"
 
     def _output_budget(self, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> int:
         window = self.max_model_len[req.model]
@@ -344,6 +394,7 @@ class Pipeline:
             else:
                 p.exact_done.set()
             self._tokenize(p)
+            self.admission.charge_tenant(ctx, len(p.prompt_ids) + p.sampling.max_tokens)
             routing = asyncio.ensure_future(self._route(p))  # in parallel with the lookup
             if lookup is not None and not self.args.ingress.overlap_cache_lookup:
                 found, lookup = await lookup, None
@@ -351,13 +402,13 @@ class Pipeline:
                     routing.cancel()
                     return self._cached(p, found)
                 hint = found if found.outcome == "hint" else None
-            permit = await self._admit(p)
             decision = await routing
+            permit, decision = await self._admit(p, decision)
             self._count_route(decision)
             builder = self.prompts[decision.model_id]
             if builder is not self.prompts[p.requested_model]:
                 p.prompt_ids = p.tokenize(builder)  # the routed model speaks another vocabulary
-            generate = GenerateRequest(ctx.request_id, p.prompt_ids, p.sampling, ctx.deadline_unix())
+            generate = GenerateRequest(ctx.request_id, p.prompt_ids, p.sampling, ctx.target_unix())
             if hint is not None and hint.response is not None:
                 # A near miss: not safe to serve, but a good guess. The target verifies every
                 # token of it, so the answer is exactly what it would have produced anyway.
@@ -382,6 +433,7 @@ class Pipeline:
                 stream = None
                 stream, first = await self._retry(p, decision.model_id, generate, permit, err)
             p.timings["ttft"] = _ms(start)
+            first_at = time.perf_counter()
             if not p.coalesced:
                 self.load.observe_ttft(decision.model_id, p.timings["ttft"])
             for name in ("engine_queue", "prefill", "prefix_reused_tokens"):  # the last is a count, not ms
@@ -402,6 +454,7 @@ class Pipeline:
                 if p.retried:
                     headers["x-retried"] = "1"
                 stream = None  # finished: nothing left to cancel
+                self._finished(p, last, first_at)
                 permit.release()
                 p.timings["total"] = _ms(start)
                 headers["server-timing"] = _server_timing(p.timings)
@@ -414,7 +467,7 @@ class Pipeline:
             if p.retried:
                 headers["x-retried"] = "1"
             headers["server-timing"] = _server_timing(p.timings)
-            body_iter = self._sse(p, decision, first, stream, permit)
+            body_iter = self._sse(p, decision, first, stream, permit, first_at)
             stream = None  # from here on the SSE body owns the stream and the permit
             head = await body_iter.__anext__()  # started: its `finally` now runs even if nobody reads on
             return StreamingResponse(_prepend(head, body_iter), media_type="text/event-stream", headers=headers)
@@ -429,20 +482,45 @@ class Pipeline:
                 stream.cancel()
             raise
 
-    async def _admit(self, p: Prepared) -> Permit:
+    async def _admit(self, p: Prepared, decision: RouteDecision) -> tuple[Permit, RouteDecision]:
+        """Start, queue or shed (503); downgrade to the small model when only it can make the
+        deadline and the tier allows it. fifo mode admits everything, in arrival order."""
         t = time.perf_counter()
-        try:
-            await self.gate.acquire(p.ctx.remaining_s(self.args.admission.default_queue_timeout_s))
-        except Rejection as rej:
-            raise APIError(
-                503,
-                rej.message,
-                code=rej.reason,
-                headers={"Retry-After": str(rej.retry_after_s)},
-                extra={"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": p.ctx.tier},
-            ) from None
+        if p.mode == "fifo":
+            p.admitted_at = time.perf_counter()
+            return Permit(None), decision
+        ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
+        small = self.args.draft.engine.model_id
+        if (
+            p.tier.downgrade
+            and p.requested_model == self.args.router.auto_model_id
+            and decision.model_id != small
+            and not self.gate.would_meet(ticket)
+        ):
+            alt = self.admission.ticket(small, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
+            if self.gate.would_meet(alt):
+                ticket, decision = alt, RouteDecision(small, "deadline_downgrade")
+                p.notes["x-admission"] = "downgraded; the large model could not meet the deadline"
+        await self.admission.admit(ticket)
+        p.ticket = ticket
         p.timings["admit"] = _ms(t)
-        return Permit(self.gate)
+        p.admitted_at = time.perf_counter()
+        return Permit(self.gate, ticket), decision
+
+    def _finished(self, p: Prepared, last: GenerateChunk, first_at: float) -> None:
+        """A complete answer teaches admission how long this model takes (coalesced followers
+        and fifo requests don't: they measure someone else's generation, or no slot)."""
+        if p.ticket is None or p.coalesced or p.retried:
+            return
+        now = time.perf_counter()
+        self.admission.observe(
+            p.ticket,
+            ttft_ms=(first_at - p.admitted_at) * 1000,
+            queue_ms=p.timings.get("engine_queue", 0.0),
+            prefill_ms=p.timings.get("prefill"),
+            completion_tokens=last.completion_tokens,
+            total_ms=(now - p.admitted_at) * 1000,
+        )
 
     async def _retry(
         self, p: Prepared, model_id: str, request: GenerateRequest, permit: Permit, err: ReplicaFailed
@@ -592,7 +670,8 @@ class Pipeline:
         return "".join(parts), chunk
 
     async def _sse(
-        self, p: Prepared, decision: RouteDecision, first: GenerateChunk, stream: ModelStream, permit: Permit
+        self, p: Prepared, decision: RouteDecision, first: GenerateChunk, stream: ModelStream, permit: Permit,
+        first_at: float,
     ) -> AsyncIterator[bytes]:
         writer = SSEWriter(p.kind, _response_id(p), decision.model_id)
         parts: list[str] = []
@@ -617,6 +696,8 @@ class Pipeline:
             yield writer.done()
             finished = True
         finally:
+            if finished:
+                self._finished(p, chunk, first_at)
             permit.release()
             if finished:
                 self._store(p, decision, "".join(parts), chunk)
@@ -667,6 +748,8 @@ class Pipeline:
         return {
             "x-cache": cache,
             "x-route": decision.header(),
+            "x-slo-tier": p.ctx.tier,
+            **p.notes,
         }
 
 

@@ -9,8 +9,9 @@ import httpx
 import pytest
 
 from bench.service import OFFLINE_ENV, running_service
-from configs.schemas import EngineConfig
+from configs.schemas import EngineConfig, TenantLimits
 from configs.serve_config import load_serve_config
+from ingress.context import tenant_from_headers
 
 os.environ.update(OFFLINE_ENV)  # tests never reach a model hub
 
@@ -19,6 +20,8 @@ os.environ.update(OFFLINE_ENV)  # tests never reach a model hub
 TEST_MAX_INFLIGHT = 2
 TEST_MAX_QUEUED = 1
 TEST_BODY_TIMEOUT_S = 2.0
+# A tenant with tight limits, for the 429/403 tests: 2 requests at once, then 1 every 20 s; batch tier only.
+LIMITED_KEY = "sk-limited-tenant"
 
 
 class Service:
@@ -73,6 +76,9 @@ def service(serve_file):
         args.admission.max_inflight = TEST_MAX_INFLIGHT
         args.admission.max_queued = TEST_MAX_QUEUED
         args.ingress.body_timeout_s = TEST_BODY_TIMEOUT_S
+        args.admission.tenants[tenant_from_headers({"authorization": f"Bearer {LIMITED_KEY}"})] = TenantLimits(
+            tier="batch", allowed_tiers=["batch"], requests_per_s=0.05, request_burst=2
+        )
 
     with running_service(serve_file, tweak=tighten) as base:
         svc = Service(base, serve_file)

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 import torch
 
-from admission.gate import AdmissionGate, Rejection
 from admission.ledger import AdmissionLedger, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
 from engines.detokenizer import IncrementalDetokenizer
@@ -261,53 +260,6 @@ def test_extreme_sampling_values_stay_finite_and_pick_the_top_token(temperature,
 # --------------------------------------------------------------------------- admission
 
 
-def test_gate_admits_queues_fifo_and_sheds():
-    async def main():
-        gate = AdmissionGate(max_inflight=1, max_queued=2)
-        await gate.acquire(1)
-        order = []
-
-        async def waiter(name):
-            await gate.acquire(5)
-            order.append(name)
-
-        tasks = [asyncio.create_task(waiter(n)) for n in ("a", "b")]
-        await asyncio.sleep(0.01)
-        assert gate.queued == 2
-        with pytest.raises(Rejection) as full:
-            await gate.acquire(5)
-        assert full.value.reason == "queue_full" and full.value.queued_ahead == 2
-        gate.release()
-        await asyncio.sleep(0.01)
-        gate.release()
-        await asyncio.gather(*tasks)
-        assert order == ["a", "b"] and gate.inflight == 1
-
-    asyncio.run(main())
-
-
-def test_gate_deadline_in_queue_and_cancellation_release_slots():
-    async def main():
-        gate = AdmissionGate(max_inflight=1, max_queued=5)
-        await gate.acquire(1)
-        with pytest.raises(Rejection) as late:
-            await gate.acquire(0.05)
-        assert late.value.reason == "deadline_in_queue" and gate.queued == 0
-        task = asyncio.create_task(gate.acquire(5))
-        await asyncio.sleep(0.01)
-        task.cancel()
-        await asyncio.sleep(0.01)
-        assert gate.queued == 0
-        gate.release()
-        assert gate.inflight == 0
-        gate.set_limits(3, 1)
-        for _ in range(3):
-            await gate.acquire(0.01)
-        assert gate.inflight == 3
-
-    asyncio.run(main())
-
-
 def test_ledger_shares_limits_among_live_replicas():
     now = [0.0]
     ledger = AdmissionLedger(AdmissionConfig(max_inflight=10, max_queued=5, sync_interval_s=1.0), clock=lambda: now[0])
@@ -318,6 +270,10 @@ def test_ledger_shares_limits_among_live_replicas():
     assert ledger.totals()["inflight"] == 3
     now[0] = 10.0  # "a" stopped reporting: it no longer holds a share
     assert ledger.report("b", ReplicaReport(0, 0, 2, 0)).max_inflight == 10
+    # Each replica hears of the others' running requests, by model (its own are its own).
+    ledger.report("c", ReplicaReport(3, 0, 3, 0, {"large": 2, "small": 1}))
+    share = ledger.report("b", ReplicaReport(1, 0, 3, 0, {"large": 1}))
+    assert share.others_inflight == {"large": 2, "small": 1}
 
 
 # --------------------------------------------------------------------------- cache and keys

@@ -1,0 +1,108 @@
+"""Online service-time statistics per model, updated from real completions.
+
+A request's time in the model is prefill (ms per prompt token) plus one decode step per output
+token. On a batching engine a step's cost depends on how many sequences share it, so the
+inter-token latency is kept per concurrency level (1, 2, 4, 8, ... in flight). The ITL measured
+at the client already includes speculative decoding's live acceptance rate: more tokens accepted
+per round is a lower ITL.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PRIOR_OUTPUT_FRACTION = 0.5  # of max_tokens, until measured
+BATCH_COST = 0.5  # share of a step's cost each extra sequence adds, where not measured
+
+
+def _bucket(concurrency: float) -> int:
+    """1, 2, 4, 8, ...: the power of two nearest the concurrency (in log terms)."""
+    return 1 << max(0, round(math.log2(max(1.0, concurrency))))
+
+
+@dataclass
+class Ewma:
+    alpha: float
+    value: float | None = None
+    samples: int = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+        self.samples += 1
+
+
+@dataclass
+class ModelEstimates:
+    prior_itl_ms: float
+    prior_prefill_ms_per_token: float
+    prefill_ms_per_token: Ewma = field(default_factory=lambda: Ewma(0.2))
+    overhead_ms: Ewma = field(default_factory=lambda: Ewma(0.2))  # time to first token beyond prefill, idle
+    output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
+    itl_by_bucket: dict[int, Ewma] = field(default_factory=dict)
+
+    def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
+                completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float) -> None:
+        if prefill_ms is not None and prompt_tokens > 0:
+            self.prefill_ms_per_token.add(prefill_ms / prompt_tokens)
+            self.overhead_ms.add(max(0.0, ttft_ms - queue_ms - prefill_ms))
+        if max_tokens > 0:
+            self.output_fraction.add(min(1.0, completion_tokens / max_tokens))
+        if completion_tokens > 1 and decode_ms > 0:
+            self.itl_by_bucket.setdefault(_bucket(concurrency), Ewma(0.2)).add(decode_ms / (completion_tokens - 1))
+
+    def prefill_ms(self, prompt_tokens: int) -> float:
+        per_token = self.prefill_ms_per_token.value or self.prior_prefill_ms_per_token
+        return per_token * prompt_tokens + (self.overhead_ms.value or 0.0)
+
+    def expected_tokens(self, max_tokens: int) -> float:
+        # Until a few completions are measured, assume half the budget is used.
+        fraction = self.output_fraction.value if self.output_fraction.samples >= 3 else PRIOR_OUTPUT_FRACTION
+        return max(1.0, fraction * max_tokens)
+
+    def itl_ms(self, concurrency: float) -> float:
+        """Decode ms/token with this many sequences in flight. Between measured levels:
+        interpolated; below the lowest: the lowest's ITL; above the highest (or with nothing
+        measured, from the prior): each added sequence is assumed to add half a step's cost.
+        Pessimistic enough not to over-admit, optimistic enough that a higher concurrency gets
+        tried, and then measured."""
+        measured = sorted((b, e.value) for b, e in self.itl_by_bucket.items() if e.value is not None)
+        c = max(1.0, concurrency)
+        if not measured:
+            return self.prior_itl_ms * (1 + BATCH_COST * (c - 1))
+        if c <= measured[0][0]:
+            return measured[0][1]
+        for (b0, v0), (b1, v1) in zip(measured, measured[1:]):
+            if c <= b1:
+                return v0 + (v1 - v0) * (c - b0) / (b1 - b0)
+        top, value = measured[-1]
+        return value * (1 + BATCH_COST * (c / top - 1))
+
+    def snapshot(self) -> dict:
+        return {
+            "prefill_ms_per_token": _round(self.prefill_ms_per_token.value),
+            "overhead_ms": _round(self.overhead_ms.value),
+            "output_fraction": _round(self.output_fraction.value),
+            "itl_ms_by_concurrency": {b: _round(e.value) for b, e in sorted(self.itl_by_bucket.items())},
+            "completions": self.output_fraction.samples,
+        }
+
+
+class ServiceEstimates:
+    """Estimates for every model this ingress sends requests to."""
+
+    def __init__(self, prior_itl_ms: float, prior_prefill_ms_per_token: float) -> None:
+        self._priors = (prior_itl_ms, prior_prefill_ms_per_token)
+        self.models: dict[str, ModelEstimates] = {}
+
+    def __getitem__(self, model_id: str) -> ModelEstimates:
+        if model_id not in self.models:
+            self.models[model_id] = ModelEstimates(*self._priors)
+        return self.models[model_id]
+
+    def snapshot(self) -> dict:
+        return {m: e.snapshot() for m, e in self.models.items()}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)

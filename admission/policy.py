@@ -1,0 +1,128 @@
+"""The ingress's admission policy: tiers, deadlines, tenant limits and the gate, in one place.
+
+Everything here runs in-process on the request path (no hop); the controller only syncs the
+service-wide shares and the fleet's load in the background (admission/sync.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, Mapping
+
+from admission.estimates import ServiceEstimates
+from admission.gate import AdmissionGate, Rejection, Ticket
+from admission.limits import OverLimit, TenantLimiter
+from configs.schemas import AdmissionConfig, TierConfig
+from ingress.context import RequestContext
+from ingress.errors import APIError, bad_request
+
+Mode = Literal["predictive", "fifo"]
+
+
+class AdmissionPolicy:
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self.estimates = ServiceEstimates(config.prior_itl_ms, config.prior_prefill_ms_per_token)
+        self.gate = AdmissionGate(
+            config.max_inflight, config.max_queued, config.retry_after_s, self.estimates, config.safety
+        )
+        self.limiter = TenantLimiter(config)
+        self.synced_at: float | None = None  # when the controller's view last arrived
+        self.max_view_age_ms = 0.0  # the stalest the view got between two syncs
+
+    # ------------------------------------------------------------------ per request
+
+    def mode(self, headers: Mapping[str, str]) -> Mode:
+        asked = headers.get("x-admission-mode")
+        if asked and self.config.allow_mode_header:
+            if asked not in ("predictive", "fifo"):
+                raise bad_request("x-admission-mode must be predictive or fifo", "x-admission-mode")
+            return asked  # type: ignore[return-value]
+        return self.config.mode
+
+    def tier(self, ctx: RequestContext) -> TierConfig:
+        """The request's tier (header, else the tenant's, else the default) and its deadlines."""
+        owner = ctx.tenant.split("/", 1)[0]
+        limits = self.config.tenant(owner)
+        if ctx.tier_from_header:
+            if ctx.tier not in self.config.tiers:
+                raise bad_request(
+                    f"unknown SLO tier {ctx.tier!r}; this service has: {', '.join(self.config.tiers)}", "x-slo-tier"
+                )
+            if limits.allowed_tiers is not None and ctx.tier not in limits.allowed_tiers:
+                raise APIError(
+                    403, f"this API key may not use the {ctx.tier!r} tier", param="x-slo-tier", code="tier_not_allowed"
+                )
+        else:
+            ctx.tier = limits.tier or self.config.default_tier
+        tier = self.config.tiers[ctx.tier]
+        ctx.target_deadline = ctx.deadline or ctx.received + tier.e2e_ms / 1000
+        if tier.ttft_ms is not None:
+            ctx.ttft_deadline = ctx.received + tier.ttft_ms / 1000
+        return tier
+
+    def charge_tenant(self, ctx: RequestContext, tokens: int) -> None:
+        """429 when the tenant is over its request or token rate."""
+        try:
+            self.limiter.check(ctx.tenant.split("/", 1)[0], tokens)
+        except OverLimit as over:
+            raise APIError(
+                429,
+                f"rate limit: this API key is over its {over.limit} rate ({over.rate:g}/s)",
+                code=f"rate_limit_{over.limit}",
+                headers={"Retry-After": str(over.retry_after_s)},
+                extra={"limit": over.limit, "rate_per_s": over.rate, "retry_after_s": over.retry_after_s,
+                       "tier": ctx.tier},
+            ) from None
+
+    def ticket(self, model_id: str, ctx: RequestContext, tier: TierConfig, prompt_tokens: int, max_tokens: int) -> Ticket:
+        return Ticket(
+            model_id, ctx.tier, tier.priority, prompt_tokens, max_tokens,
+            deadline=ctx.target_deadline, ttft_deadline=ctx.ttft_deadline, arrived=ctx.received,
+        )
+
+    async def admit(self, ticket: Ticket) -> None:
+        """Start, queue (EDF within tier), or 503 with the prediction and a Retry-After."""
+        try:
+            await self.gate.acquire(ticket)
+        except Rejection as rej:
+            extra = {"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": ticket.tier}
+            if ticket.deadline is not None:
+                extra["deadline_ms"] = round((ticket.deadline - ticket.arrived) * 1000)
+            if ticket.ttft_deadline is not None:
+                extra["ttft_deadline_ms"] = round((ticket.ttft_deadline - ticket.arrived) * 1000)
+            if rej.predicted is not None:
+                extra["predicted"] = rej.predicted.as_dict()
+            raise APIError(
+                503, rej.message, code=rej.reason, headers={"Retry-After": str(rej.retry_after_s)}, extra=extra
+            ) from None
+
+    def observe(self, ticket: Ticket, *, ttft_ms: float, queue_ms: float, prefill_ms: float | None,
+                completion_tokens: int, total_ms: float) -> None:
+        """A finished request updates the service-time estimates of its model."""
+        concurrency = (ticket.concurrency_at_start + self.gate.concurrency(ticket.model_id)) / 2
+        self.estimates[ticket.model_id].observe(
+            prompt_tokens=ticket.prompt_tokens, prefill_ms=prefill_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
+            completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
+            concurrency=concurrency,
+        )
+
+    # ------------------------------------------------------------------ the controller's view
+
+    def synced(self, max_inflight: int, max_queued: int, others_inflight: dict[str, int], live_replicas: int) -> None:
+        now = time.monotonic()
+        if self.synced_at is not None:
+            self.max_view_age_ms = max(self.max_view_age_ms, (now - self.synced_at) * 1000)
+        self.synced_at = now
+        self.gate.set_limits(max_inflight, max_queued, others_inflight)
+        self.limiter.share = 1.0 / max(1, live_replicas)
+
+    def snapshot(self) -> dict:
+        age = None if self.synced_at is None else round((time.monotonic() - self.synced_at) * 1000, 1)
+        return {
+            **self.gate.snapshot(),
+            "mode": self.config.mode,
+            "rate_limited": self.limiter.limited,
+            "view_age_ms": age,
+            "max_view_age_ms": round(self.max_view_age_ms, 1),
+        }

@@ -1,0 +1,142 @@
+"""Admission logic without Ray: predictions, the EDF gate, tenant buckets, context trimming."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from admission.budget import trim_conversation
+from admission.estimates import ServiceEstimates
+from admission.gate import AdmissionGate, Rejection, Ticket
+from admission.limits import OverLimit, TenantLimiter
+from configs.schemas import AdmissionConfig, TenantLimits
+
+
+def _gate(itl_ms: float, max_inflight: int = 4, max_queued: int = 4) -> AdmissionGate:
+    # prefill 0.1 ms/token; before any completion, half of max_tokens is the expected output.
+    return AdmissionGate(max_inflight, max_queued, 1, ServiceEstimates(itl_ms, 0.1), safety=1.0)
+
+
+def _ticket(max_tokens: int, deadline_s: float | None, priority: int = 0, model: str = "m") -> Ticket:
+    now = time.monotonic()
+    return Ticket(model, "t", priority, 10, max_tokens, deadline=None if deadline_s is None else now + deadline_s)
+
+
+def test_estimates_interpolate_measured_levels_and_extrapolate_pessimistically():
+    est = ServiceEstimates(50.0, 0.5)["m"]
+    assert est.itl_ms(1) == 50.0 and est.itl_ms(3) == pytest.approx(100.0)  # prior: half a step per extra sequence
+    for _ in range(3):
+        est.observe(prompt_tokens=100, prefill_ms=40.0, ttft_ms=60.0, queue_ms=5.0, completion_tokens=11,
+                    max_tokens=20, decode_ms=200.0, concurrency=1)
+        est.observe(prompt_tokens=100, prefill_ms=40.0, ttft_ms=60.0, queue_ms=5.0, completion_tokens=11,
+                    max_tokens=20, decode_ms=400.0, concurrency=4)
+    assert est.itl_ms(1) == pytest.approx(20.0) and est.itl_ms(4) == pytest.approx(40.0)
+    assert est.itl_ms(2) == pytest.approx(20 + 20 / 3)  # between measured levels
+    assert est.itl_ms(8) == pytest.approx(60.0)  # above: half a step per extra sequence
+    assert est.prefill_ms(100) == pytest.approx(40.0 + 15.0)  # per-token prefill + measured overhead
+    assert est.expected_tokens(100) == pytest.approx(55.0)  # 11 of 20 used: the measured fraction
+
+
+def test_gate_sheds_at_once_what_cannot_make_it_queues_by_priority_and_protects_running():
+    async def main():
+        gate = _gate(itl_ms=10)
+        long = _ticket(1000, deadline_s=5.5)  # predicted 500 tokens x 10 ms = 5 s
+        await gate.acquire(long)  # an idle model always takes the request
+        assert gate.inflight == 1
+
+        start = time.monotonic()
+        with pytest.raises(Rejection) as shed:
+            await gate.acquire(_ticket(100, deadline_s=0.5))
+        assert time.monotonic() - start < 0.05, "a request that can't make it is shed at once"
+        assert shed.value.reason == "deadline_unmeetable"
+        assert shed.value.predicted.wait_ms == pytest.approx(5000, rel=0.05)
+        assert shed.value.retry_after_s in (5, 6)  # when the running one is predicted to finish
+
+        # Starting now would slow `long` (2 sequences share a step) past its deadline: both wait.
+        order: list[str] = []
+
+        async def queued(name: str, t: Ticket) -> None:
+            await gate.acquire(t)
+            order.append(name)
+
+        low = asyncio.create_task(queued("batch", _ticket(100, deadline_s=30, priority=1)))
+        await asyncio.sleep(0.01)
+        high = asyncio.create_task(queued("interactive", _ticket(100, deadline_s=20, priority=0)))
+        await asyncio.sleep(0.01)
+        assert gate.queued == 2 and gate.inflight == 1
+        gate.release(long)
+        await asyncio.gather(low, high)
+        assert order == ["interactive", "batch"], "priority first, then deadline"
+        assert gate.inflight == 2 and gate.queued == 0
+
+    asyncio.run(main())
+
+
+def test_gate_drops_a_queued_request_when_its_latest_start_passes_and_frees_cancelled_slots():
+    async def main():
+        gate = _gate(itl_ms=1, max_queued=1)
+        running = _ticket(200, deadline_s=0.11)  # 100 tokens x 1 ms: little slack left
+        await gate.acquire(running)
+        late = _ticket(20, deadline_s=0.3)  # would make it if `running` finished on time
+        start = time.monotonic()
+        with pytest.raises(Rejection) as dropped:
+            await gate.acquire(late)
+        waited = time.monotonic() - start
+        assert dropped.value.reason == "deadline_in_queue" and 0.2 < waited < 0.3
+        assert gate.queued == 0
+
+        waiting = asyncio.create_task(gate.acquire(_ticket(20, deadline_s=None)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Rejection) as full:
+            await gate.acquire(_ticket(20, deadline_s=None))
+        assert full.value.reason == "queue_full"
+        waiting.cancel()  # the client left while queued
+        await asyncio.sleep(0.01)
+        assert gate.queued == 0
+        gate.release(running)
+        assert gate.inflight == 0
+
+    asyncio.run(main())
+
+
+def test_gate_counts_other_ingress_replicas_running_requests():
+    gate = _gate(itl_ms=10)
+    t = _ticket(100, deadline_s=0.6)  # 50 tokens: 0.5 s alone
+    assert gate.would_meet(t)
+    gate.set_limits(4, 4, {"m": 3})  # the controller says 3 run elsewhere: 4 share each step
+    assert not gate.would_meet(t)
+    assert gate.would_meet(_ticket(100, deadline_s=0.6, model="other"))
+
+
+def test_tenant_buckets_limit_requests_and_tokens_and_split_across_replicas():
+    now = [0.0]
+    config = AdmissionConfig(tenants={"default": TenantLimits(requests_per_s=2, request_burst=2, tokens_per_s=10, token_burst=100)})
+    limiter = TenantLimiter(config, clock=lambda: now[0])
+    limiter.check("a", 10)
+    limiter.check("a", 10)
+    with pytest.raises(OverLimit) as over:
+        limiter.check("a", 10)
+    assert over.value.limit == "requests" and over.value.retry_after_s == 1
+    limiter.check("b", 10)  # another tenant has its own bucket
+    now[0] = 0.5  # one request and 5 tokens refilled: 85 tokens
+    with pytest.raises(OverLimit) as tokens:
+        limiter.check("a", 95)
+    assert tokens.value.limit == "tokens"
+    limiter.check("a", 50)  # the token refusal did not spend the request
+    limiter.share = 0.5  # two ingress replicas: each enforces half
+    limiter.check("c", 10)
+    with pytest.raises(OverLimit):
+        limiter.check("c", 10)
+
+
+def test_trim_keeps_system_prompt_and_latest_turns():
+    msgs = [("system", 10), ("user", 50), ("assistant", 50), ("user", 50), ("assistant", 50), ("user", 20)]
+    count = lambda ms: sum(n for _, n in ms)  # noqa: E731
+    kept, dropped, tokens = trim_conversation(msgs, lambda m: m[0], count, 130)
+    assert kept == [("system", 10), ("user", 50), ("assistant", 50), ("user", 20)] and dropped == 2 and tokens == 130
+    kept, dropped, _ = trim_conversation(msgs, lambda m: m[0], count, 40)
+    assert kept == [("system", 10), ("user", 20)] and dropped == 4
+    assert trim_conversation(msgs, lambda m: m[0], count, 25) is None  # system + last message alone are over
+    assert trim_conversation(msgs, lambda m: m[0], count, 1000) == (msgs, 0, 230)
