@@ -7,6 +7,7 @@ bounded in requests, and writes one JSON result file.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -23,6 +24,7 @@ SUITES = {
     "route": "bench.route",  # router accuracy, routing cost, routed vs all-to-target under mixed load
     "ttft": "bench.ttft",  # engine TTFT with the prefix KV cache off and on (shared system prompt, multi-turn)
     "chaos": "bench.chaos",  # load while one replica of each stage is killed: nothing admitted is lost
+    "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
 }
 
 
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {k: v for k, v in (("requests", args.requests), ("max_tokens", args.max_tokens)) if v is not None}
     if args.quick:
         kwargs["quick"] = True
+    if "out" in inspect.signature(suite.run).parameters:  # suites that draw plots put them beside the JSON
+        kwargs["out"] = args.out
     result = suite.run(**kwargs)
     result = {
         "suite": args.suite,

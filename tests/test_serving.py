@@ -488,12 +488,13 @@ def test_non_streaming_disconnect_stops_generation(service):
 
 def test_tier_budgets_trim_long_conversations_and_clamp_output(service, tokenizer):
     budget = service.config.args.admission.tiers["interactive"].max_input_tokens
-    filler = "The quick brown fox jumps over the lazy dog. " * 40  # ~400 tokens a turn
+    filler = "The quick brown fox jumps over the lazy dog. " * 25  # ~250 tokens a turn
     turns = [{"role": "system", "content": "You are terse."}]
     for i in range(6):
         turns += [{"role": "user", "content": f"Turn {i}: {filler}"}, {"role": "assistant", "content": "Noted."}]
     turns.append({"role": "user", "content": "What is the capital of France?"})
-    full = len(tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True))
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    full = len(tokenizer.encode(text, add_special_tokens=False))
     assert budget < full < service.config.args.target.engine.max_model_len
     raw = service.openai().chat.completions.with_raw_response.create(
         model=TARGET, messages=turns, temperature=0, max_tokens=8, extra_headers=NO_CACHE
@@ -505,7 +506,7 @@ def test_tier_budgets_trim_long_conversations_and_clamp_output(service, tokenize
     assert trimmed["tokens"] == f"{full}->{resp.usage.prompt_tokens}"
 
     # A single message over the tier's budget can't be trimmed: a clear 400.
-    one = [{"role": "user", "content": filler * 4}]
+    one = [{"role": "user", "content": filler * 7}]  # ~1750 tokens: fits the model, not the tier
     with pytest.raises(openai.BadRequestError) as err:
         service.openai().chat.completions.create(model=TARGET, messages=one, max_tokens=4, extra_headers=NO_CACHE)
     assert err.value.code == "context_length_exceeded" and "interactive" in err.value.message

@@ -1,0 +1,291 @@
+"""Suite `load`: goodput under open-loop Poisson load, admission on vs off, in one run.
+
+One service (serve_config.yaml, with `admission.allow_mode_header` so each request can pick the
+mode), streamed requests over loopback, a realistic mix: chat, RAG and code prompts (20-400
+tokens), max_tokens 16-128, 80% interactive (deadline 15 s, TTFT SLO 1 s) and 20% batch
+(deadline 30 s). Every request carries `x-request-deadline-ms`.
+
+1. capacity: closed loop at 2, 4 and 8 clients with admission off; the best goodput is the
+   capacity (requests/s finishing within their deadline).
+2. warm-up: a short predictive run, so admission has measured the models.
+3. for load 0.5x, 1x, 2x, 4x capacity: Poisson arrivals for `duration_s`, admission on
+   (predictive) and off (fifo: the deadline is not used, as in plain Ray Serve / vLLM).
+
+A request is one of: ok (200, streamed to [DONE]), shed (429/503 before any token, the time to
+that answer recorded), error (an explicit error: a JSON error or an SSE error event), abandoned
+(admission off only: the client gave up 5 s past its deadline) or lost (admission on: no answer
+and no explicit error; must be 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.stack import CONTEXT, QUESTIONS
+from bench.stats import percentile
+from bench.workloads import CODE, DOCS, RAG_QUESTIONS
+
+INTERACTIVE_DEADLINE_MS = 15_000
+BATCH_DEADLINE_MS = 30_000
+TTFT_SLO_MS = 1_000
+CLIENT_GRACE_S = 5.0
+MAX_TOKENS = [(16, 0.3), (32, 0.3), (64, 0.3), (128, 0.1)]
+LOAD_FACTORS = [0.5, 1.0, 2.0, 4.0]
+
+
+@dataclass
+class Outcome:
+    kind: str  # ok | shed | error | abandoned | lost
+    tier: str
+    deadline_ms: float
+    status: int = 0
+    ttft_ms: float | None = None
+    e2e_ms: float = 0.0
+    code: str | None = None
+    route: str | None = None
+
+    @property
+    def good(self) -> bool:
+        return self.kind == "ok" and self.e2e_ms <= self.deadline_ms
+
+    @property
+    def in_slo(self) -> bool:
+        ttft_ok = self.tier != "interactive" or (self.ttft_ms is not None and self.ttft_ms <= TTFT_SLO_MS)
+        return self.good and ttft_ok
+
+
+def _request(rng: random.Random, n: int) -> tuple[dict, dict, str, float]:
+    """(body, headers, tier, deadline_ms): a fresh prompt each time (no cache hits)."""
+    kind = rng.random()
+    tag = f" (request {n})"
+    if kind < 0.5:
+        q = rng.choice(QUESTIONS) + tag
+        messages = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": q}] if rng.random() < 0.5 else [
+            {"role": "user", "content": q}
+        ]
+    elif kind < 0.8:
+        i = rng.randrange(len(DOCS))
+        messages = [
+            {"role": "system", "content": "Answer only from the context."},
+            {"role": "user", "content": f"Context:\n{DOCS[i]}\n\nQuestion: {RAG_QUESTIONS[i]}{tag}"},
+        ]
+    else:
+        task, src = rng.choice(CODE)
+        messages = [{"role": "user", "content": f"{task}{tag}\n\n```python\n{src}```"}]
+    max_tokens = rng.choices([m for m, _ in MAX_TOKENS], [w for _, w in MAX_TOKENS])[0]
+    body = {"model": "auto", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    batch = rng.random() < 0.2
+    tier, deadline = ("batch", BATCH_DEADLINE_MS) if batch else ("interactive", INTERACTIVE_DEADLINE_MS)
+    headers = {"Cache-Control": "no-cache, no-store", "x-request-deadline-ms": str(deadline), "x-slo-tier": tier}
+    return body, headers, tier, deadline
+
+
+async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, deadline_ms: float, mode: str) -> Outcome:
+    out = Outcome("lost", tier, deadline_ms)
+    start = time.perf_counter()
+
+    async def send() -> None:
+        async with http.stream("POST", "/v1/chat/completions", json=body,
+                               headers={**headers, "x-admission-mode": mode}) as resp:
+            out.status = resp.status_code
+            out.route = resp.headers.get("x-route")
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                out.e2e_ms = (time.perf_counter() - start) * 1000
+                try:
+                    out.code = json.loads(raw)["error"]["code"]
+                except Exception:
+                    out.code = "non_json"
+                out.kind = "shed" if resp.status_code in (429, 503) and out.code != "backend_error" else "error"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    out.e2e_ms = (time.perf_counter() - start) * 1000
+                    if out.kind == "lost":
+                        out.kind = "ok"
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    out.kind, out.code = "error", event["error"].get("code")
+                elif out.ttft_ms is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                    out.ttft_ms = (time.perf_counter() - start) * 1000
+
+    try:
+        await asyncio.wait_for(send(), deadline_ms / 1000 + CLIENT_GRACE_S)
+    except asyncio.TimeoutError:
+        out.kind = "abandoned" if mode == "fifo" else "lost"
+    except httpx.HTTPError as exc:
+        out.kind, out.code = "lost", type(exc).__name__
+    if not out.e2e_ms:
+        out.e2e_ms = (time.perf_counter() - start) * 1000
+    return out
+
+
+async def _open_loop(base: str, rate: float, duration_s: float, mode: str, seed: int, cap: int) -> list[Outcome]:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as http:
+        tasks = []
+        t0 = time.perf_counter()
+        at = 0.0
+        n = 0
+        while n < cap:
+            at += rng.expovariate(rate)
+            if at > duration_s:
+                break
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body, headers, tier, deadline = _request(rng, seed * 100_000 + n)
+            tasks.append(asyncio.create_task(_one(http, body, headers, tier, deadline, mode)))
+            n += 1
+        return list(await asyncio.gather(*tasks))
+
+
+async def _closed_loop(base: str, clients: int, duration_s: float, mode: str, seed: int) -> tuple[list[Outcome], float]:
+    rng = random.Random(seed)
+    counter = [0]
+    async with httpx.AsyncClient(base_url=base, timeout=None) as http:
+        stop = time.perf_counter() + duration_s
+        outcomes: list[Outcome] = []
+
+        async def worker() -> None:
+            while time.perf_counter() < stop:
+                counter[0] += 1
+                body, headers, tier, deadline = _request(rng, seed * 100_000 + counter[0])
+                outcomes.append(await _one(http, body, headers, tier, deadline, mode))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        return outcomes, time.perf_counter() - t0
+
+
+def _point(outcomes: list[Outcome], window_s: float, load_factor: float, admission: bool, rate: float) -> dict:
+    admitted = [o for o in outcomes if o.kind in ("ok", "error", "lost") or (o.kind == "abandoned")]
+    completed = [o for o in outcomes if o.kind == "ok"]
+    shed = [o for o in outcomes if o.kind == "shed"]
+    interactive_ttft = [o.ttft_ms for o in admitted if o.tier == "interactive" and o.ttft_ms is not None]
+    good = sum(o.good for o in outcomes)
+    routes: dict[str, int] = {}
+    for o in completed:
+        key = (o.route or "?").split(";reason=")[-1].split(";")[0]
+        routes[key] = routes.get(key, 0) + 1
+    return {
+        "load_factor": load_factor,
+        "admission": admission,
+        "offered_rps": round(rate, 3),
+        "sent": len(outcomes),
+        "goodput_rps": round(good / window_s, 3),
+        "slo_attainment": round(sum(o.in_slo for o in admitted) / len(admitted), 3) if admitted else None,
+        "ttft_p50_ms": _p(interactive_ttft, 0.5),
+        "ttft_p95_ms": _p(interactive_ttft, 0.95),
+        "ttft_p99_ms": _p(interactive_ttft, 0.99),
+        "e2e_p50_ms": _p([o.e2e_ms for o in completed], 0.5),
+        "e2e_p95_ms": _p([o.e2e_ms for o in completed], 0.95),
+        "e2e_p99_ms": _p([o.e2e_ms for o in completed], 0.99),
+        "shed_rate": round(len(shed) / len(outcomes), 3) if outcomes else 0.0,
+        "shed_p99_ms": _p([o.e2e_ms for o in shed], 0.99),
+        "shed_codes": _count(o.code for o in shed),
+        "errors": _count(o.code for o in outcomes if o.kind == "error"),
+        "abandoned": sum(o.kind == "abandoned" for o in outcomes),
+        "lost": sum(o.kind == "lost" for o in outcomes),
+        "routes": routes,
+    }
+
+
+def _p(values: list[float], q: float) -> float | None:
+    return round(percentile(values, q), 1) if values else None
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[str(item)] = out.get(str(item), 0) + 1
+    return out
+
+
+def _plot(points: list[dict], capacity: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for admission, style in ((True, "o-"), (False, "s--")):
+        pts = sorted((p for p in points if p["admission"] == admission), key=lambda p: p["load_factor"])
+        label = "admission on (predictive)" if admission else "admission off (FIFO)"
+        ax1.plot([p["offered_rps"] for p in pts], [p["goodput_rps"] for p in pts], style, label=label)
+        ax2.plot([p["offered_rps"] for p in pts], [p["ttft_p99_ms"] or float("nan") for p in pts], style, label=label)
+    ax1.axhline(capacity, color="grey", lw=0.8, ls=":", label="measured capacity")
+    ax1.set(xlabel="offered load (req/s)", ylabel="goodput (req/s within deadline)", title="Goodput")
+    ax2.axhline(TTFT_SLO_MS, color="red", lw=0.8, ls=":", label="interactive TTFT SLO")
+    ax2.set(xlabel="offered load (req/s)", ylabel="p99 TTFT, interactive (ms)", title="Tail TTFT", yscale="log")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(quick: bool = False, out: str | None = None, requests: int | None = None, **_: object) -> dict:
+    from tqdm import tqdm
+
+    from bench.service import running_service
+
+    duration = 20.0 if quick else 40.0
+    cap = requests or 2000
+
+    def tweak(args) -> None:
+        args.admission.allow_mode_header = True
+
+    with running_service(tweak=tweak) as base:
+        capacity_runs = []
+        for clients in tqdm((2, 4, 8), desc="capacity (closed loop, admission off)", unit="run"):
+            outcomes, window = asyncio.run(_closed_loop(base, clients, duration * 0.6, "fifo", seed=clients))
+            capacity_runs.append({"clients": clients, "goodput_rps": round(sum(o.good for o in outcomes) / window, 3),
+                                  "completed": sum(o.kind == "ok" for o in outcomes)})
+        capacity = max(r["goodput_rps"] for r in capacity_runs)
+        asyncio.run(_closed_loop(base, 4, duration * 0.4, "predictive", seed=99))  # admission measures the models
+
+        points = []
+        bar = tqdm(total=2 * len(LOAD_FACTORS), desc="load points", unit="point")
+        for i, factor in enumerate(LOAD_FACTORS):
+            rate = factor * capacity
+            for mode in ("predictive", "fifo"):
+                outcomes = asyncio.run(_open_loop(base, rate, duration, mode, seed=1000 + i, cap=cap))
+                points.append(_point(outcomes, duration, factor, mode == "predictive", rate))
+                bar.set_postfix(load=factor, mode=mode, goodput=points[-1]["goodput_rps"])
+                bar.update()
+        bar.close()
+        health = httpx.get(base + "/health", timeout=10).json()["admission"]
+
+    result = {
+        "capacity_rps": capacity,
+        "capacity_runs": capacity_runs,
+        "duration_s_per_point": duration,
+        "points": points,
+        "admission_view": {"max_view_age_ms": health.get("max_view_age_ms"), "estimates": health.get("estimates")},
+    }
+    at2 = {p["admission"]: p for p in points if p["load_factor"] == 2.0}
+    if at2.get(True) and at2.get(False):
+        on, off = at2[True]["goodput_rps"], at2[False]["goodput_rps"]
+        result["at_2x"] = {
+            "goodput_vs_capacity": round(on / capacity, 3) if capacity else None,
+            "goodput_on_vs_off": round(on / off, 2) if off else None,
+        }
+    if out:
+        png = Path(out).with_suffix(".png")
+        _plot(points, capacity, png)
+        result["plot"] = str(png)
+    return result
