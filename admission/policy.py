@@ -81,21 +81,23 @@ class AdmissionPolicy:
             deadline=ctx.target_deadline, ttft_deadline=ctx.ttft_deadline, arrived=ctx.received,
         )
 
+    def shed_early(self, candidates: list[Ticket]) -> None:
+        """Shed now, before the cache lookup and routing, when no model that could answer the
+        request could take it: under overload the answer comes in microseconds, not after
+        the lookup's hops and the embedding."""
+        rejections = [self.gate.check(t) for t in candidates]
+        if candidates and all(r is not None for r in rejections):
+            rej = rejections[0]
+            assert rej is not None
+            self.gate.rejected[rej.reason] = self.gate.rejected.get(rej.reason, 0) + 1
+            raise _shed(candidates[0], rej)
+
     async def admit(self, ticket: Ticket) -> None:
         """Start, queue (EDF within tier), or 503 with the prediction and a Retry-After."""
         try:
             await self.gate.acquire(ticket)
         except Rejection as rej:
-            extra = {"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": ticket.tier}
-            if ticket.deadline is not None:
-                extra["deadline_ms"] = round((ticket.deadline - ticket.arrived) * 1000)
-            if ticket.ttft_deadline is not None:
-                extra["ttft_deadline_ms"] = round((ticket.ttft_deadline - ticket.arrived) * 1000)
-            if rej.predicted is not None:
-                extra["predicted"] = rej.predicted.as_dict()
-            raise APIError(
-                503, rej.message, code=rej.reason, headers={"Retry-After": str(rej.retry_after_s)}, extra=extra
-            ) from None
+            raise _shed(ticket, rej) from None
 
     def observe(self, ticket: Ticket, *, ttft_ms: float, queue_ms: float, prefill_ms: float | None,
                 completion_tokens: int, total_ms: float) -> None:
@@ -126,3 +128,14 @@ class AdmissionPolicy:
             "view_age_ms": age,
             "max_view_age_ms": round(self.max_view_age_ms, 1),
         }
+
+
+def _shed(ticket: Ticket, rej: Rejection) -> APIError:
+    extra: dict = {"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": ticket.tier}
+    if ticket.deadline is not None:
+        extra["deadline_ms"] = round((ticket.deadline - ticket.arrived) * 1000)
+    if ticket.ttft_deadline is not None:
+        extra["ttft_deadline_ms"] = round((ticket.ttft_deadline - ticket.arrived) * 1000)
+    if rej.predicted is not None:
+        extra["predicted"] = rej.predicted.as_dict()
+    return APIError(503, rej.message, code=rej.reason, headers={"Retry-After": str(rej.retry_after_s)}, extra=extra)

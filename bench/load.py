@@ -194,7 +194,9 @@ def _point(outcomes: list[Outcome], window_s: float, load_factor: float, admissi
         "e2e_p95_ms": _p([o.e2e_ms for o in completed], 0.95),
         "e2e_p99_ms": _p([o.e2e_ms for o in completed], 0.99),
         "shed_rate": round(len(shed) / len(outcomes), 3) if outcomes else 0.0,
-        "shed_p99_ms": _p([o.e2e_ms for o in shed], 0.99),
+        "shed_p99_ms": _p([o.e2e_ms for o in shed], 0.99),  # every 429/503, queue drops included
+        "shed_at_arrival_p99_ms": _p([o.e2e_ms for o in shed if o.code != "deadline_in_queue"], 0.99),
+        "dropped_in_queue": sum(o.code == "deadline_in_queue" for o in shed),
         "shed_codes": _count(o.code for o in shed),
         "errors": _count(o.code for o in outcomes if o.kind == "error"),
         "abandoned": sum(o.kind == "abandoned" for o in outcomes),

@@ -395,6 +395,13 @@ class Pipeline:
                 p.exact_done.set()
             self._tokenize(p)
             self.admission.charge_tenant(ctx, len(p.prompt_ids) + p.sampling.max_tokens)
+            if p.mode == "predictive":  # hopeless for every model that could answer: shed before any hop
+                models = [p.requested_model]
+                if p.requested_model == self.args.router.auto_model_id:
+                    models = [self.args.target.engine.model_id, self.args.draft.engine.model_id]
+                self.admission.shed_early(
+                    [self.admission.ticket(m, ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
+                )
             routing = asyncio.ensure_future(self._route(p))  # in parallel with the lookup
             if lookup is not None and not self.args.ingress.overlap_cache_lookup:
                 found, lookup = await lookup, None
