@@ -59,6 +59,10 @@ class EngineConfig(_Strict):
     cache_dir: str | None = Field(None, description="converted-weights cache; default ~/.cache/latency-serve")
     warmup: bool = True
     max_sequences: int = Field(4, ge=1, le=64, description="llama_cpp: KV contexts (concurrent sequences) per replica")
+    nice: int = Field(
+        0, ge=0, le=19, description="OS niceness of the model replica's process: on a box whose cores the ingress "
+        "and proxy share, > 0 lets their small, latency-critical work run ahead of the compute"
+    )
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     max_batch_size: int = Field(
         16, ge=1, le=256, description="decode steps of concurrent requests share one forward pass, up to this many "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 
 import torch
@@ -19,6 +20,8 @@ from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 class _ModelDeployment:
     def __init__(self, args: dict, draft: DeploymentHandle | None = None) -> None:
         config = ModelStageConfig.model_validate(args)
+        if config.engine.nice:
+            os.nice(config.engine.nice)  # this replica's own process: the ingress and proxy keep their priority
         remote = RemoteDraft(draft) if draft is not None else None
         self.service = ModelService(config, remote_draft=remote)
         self._model_tag = {"model": config.engine.model_id}

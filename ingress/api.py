@@ -62,6 +62,8 @@ def build_api(pipeline: Pipeline) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Response:
+        if type(exc).__name__ == "TaskCancelledError":  # Ray cancelled the call: the client disconnected
+            return Response(status_code=499)
         # The frames carry no user data and are what a bug report needs; the message may quote input.
         log.error(
             "unhandled error in the ingress: %s\n%s",
@@ -103,8 +105,12 @@ def _openapi_schema(app: FastAPI, pipeline: Pipeline) -> dict[str, Any]:
             "required": True,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
         }
+        enums = {"x-slo-tier": list(pipeline.args.admission.tiers), "x-admission-mode": ["predictive", "fifo"]}
         operation["parameters"] = [
-            {"name": name, "in": "header", "required": False, "description": text, "schema": {"type": kind}}
+            {
+                "name": name, "in": "header", "required": False, "description": text,
+                "schema": {"type": kind, **({"enum": enums[name]} if name in enums else {})},
+            }
             for name, (kind, text) in _HEADERS.items()
         ]
     app.openapi_schema = schema
