@@ -52,6 +52,8 @@ class Ticket:
     started: float | None = None
     concurrency_at_start: float = 1.0
     finish_at: float = 0.0  # predicted
+    first_at: float = 0.0  # predicted first token; set to the real one when it arrives
+    prefilled: bool = False
 
     def latest(self) -> float:
         return min(self.deadline or INF, self.ttft_deadline or INF)
@@ -139,10 +141,20 @@ class AdmissionGate:
         first = est.prefill_ms(t.prompt_tokens) + (itl if concurrency > 1 else 0.0)
         return first * self.safety, (first + est.expected_tokens(t.max_tokens) * itl) * self.safety
 
+    def _prefills_ahead_ms(self, now: float) -> float:
+        """Prompts admitted but not yet through prefill: the engine runs them before a new one."""
+        return sum(max(0.0, r.first_at - now) * 1000 for r in self.running if not r.prefilled)
+
+    def first_token(self, t: Ticket) -> None:
+        """The ticket's first token arrived: its prefill no longer delays anyone."""
+        t.prefilled = True
+
     def _fits_now(self, t: Ticket, now: float) -> bool:
         """Can it start now without missing its own deadlines or pushing a running one past its?"""
         c = self.concurrency(t.model_id) + 1
         first_ms, last_ms = self._service_ms(t, c)
+        ahead_ms = self._prefills_ahead_ms(now)
+        first_ms, last_ms = first_ms + ahead_ms, last_ms + ahead_ms
         if t.ttft_deadline is not None and now + first_ms / 1000 > t.ttft_deadline:
             return False
         if t.deadline is not None and now + last_ms / 1000 > t.deadline:
@@ -172,6 +184,8 @@ class AdmissionGate:
             heapq.heappush(slots, free + self._service_ms(q, c)[1] / 1000)
         start = slots[0] if (ahead or self.inflight >= self.max_inflight or not self._idle(t.model_id)) else now
         first_ms, last_ms = self._service_ms(t, c)
+        pending_ms = self._prefills_ahead_ms(start)
+        first_ms, last_ms = first_ms + pending_ms, last_ms + pending_ms
         wait_ms = (start - now) * 1000
         return Prediction(wait_ms, (now - t.arrived) * 1000 + wait_ms + first_ms, (now - t.arrived) * 1000 + wait_ms + last_ms)
 
@@ -257,7 +271,9 @@ class AdmissionGate:
     def _start(self, t: Ticket, now: float) -> None:
         c = self.concurrency(t.model_id) + 1
         t.started, t.concurrency_at_start = now, c
-        t.finish_at = now + self._service_ms(t, c)[1] / 1000
+        first_ms, last_ms = self._service_ms(t, c)
+        ahead_s = self._prefills_ahead_ms(now) / 1000
+        t.first_at, t.finish_at = now + ahead_s + first_ms / 1000, now + ahead_s + last_ms / 1000
         self.running.add(t)
         self.admitted += 1
 

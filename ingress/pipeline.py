@@ -441,6 +441,8 @@ class Pipeline:
                 stream, first = await self._retry(p, decision.model_id, generate, permit, err)
             p.timings["ttft"] = _ms(start)
             first_at = time.perf_counter()
+            if p.ticket is not None:
+                self.gate.first_token(p.ticket)
             if not p.coalesced:
                 self.load.observe_ttft(decision.model_id, p.timings["ttft"])
             for name in ("engine_queue", "prefill", "prefix_reused_tokens"):  # the last is a count, not ms

@@ -139,3 +139,18 @@ def test_trim_keeps_system_prompt_and_latest_turns():
     assert kept == [("system", 10), ("user", 20)] and dropped == 4
     assert trim_conversation(msgs, lambda m: m[0], count, 25) is None  # system + last message alone are over
     assert trim_conversation(msgs, lambda m: m[0], count, 1000) == (msgs, 0, 230)
+
+
+def test_prompts_still_in_prefill_count_against_a_new_requests_ttft():
+    async def main():
+        gate = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 2.0), safety=1.0)  # 2 ms/prompt token
+        now = time.monotonic()
+        for _ in range(2):
+            await gate.acquire(Ticket("m", "t", 0, 300, 10))  # 600 ms of prefill each, none done yet
+        fresh = Ticket("m", "t", 0, 10, 10, deadline=now + 60, ttft_deadline=now + 0.9)
+        assert not gate.would_meet(fresh), "1.2 s of prefill is ahead of it"
+        for t in list(gate.running):
+            gate.first_token(t)
+        assert gate.would_meet(fresh)
+
+    asyncio.run(main())
