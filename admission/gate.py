@@ -14,7 +14,7 @@ who is queued ahead, the fleet's load from the controller) and online service-ti
     shed           predicted to miss its deadline wherever it waits, or the queue is full:
                    503 at once, with the prediction and a Retry-After.
 
-An idle service always takes the request: nothing is gained by turning it away.
+An idle model always takes the request: nothing is gained by turning it away.
 
 Concurrency counts every model's running requests: on one box the models share the cores
 (on a CPU, the target's ITL measured 3.4x higher with one request on each model than alone),
@@ -170,7 +170,8 @@ class AdmissionGate:
         return True
 
     def _idle(self, model_id: str) -> bool:
-        return self.concurrency(model_id) == 0
+        """Nothing runs on this model, here or on another ingress: it takes the request."""
+        return not any(t.model_id == model_id for t in self.running) and not self.others_inflight.get(model_id)
 
     def predict(self, t: Ticket, ahead: list[Ticket], now: float) -> Prediction:
         """When `t` would start and finish if it waited behind `ahead`: each departure of a

@@ -15,7 +15,8 @@ import httpx
 from bench.chaos import kill_replica, replicas, wait_replaced
 
 TARGET = "smollm2-135m-instruct"
-NO_CACHE = {"Cache-Control": "no-cache, no-store"}
+# Batch tier (120 s): a long stream and a request beside it are queued or run, not shed.
+NO_CACHE = {"Cache-Control": "no-cache, no-store", "x-slo-tier": "batch"}
 
 
 def test_target_killed_mid_request_retries_the_unsent_and_errors_the_streamed(service):
