@@ -33,43 +33,23 @@ class Ewma:
 
 
 @dataclass
-class ModelEstimates:
-    prior_itl_ms: float
-    prior_prefill_ms_per_token: float
-    prefill_ms_per_token: Ewma = field(default_factory=lambda: Ewma(0.2))
-    overhead_ms: Ewma = field(default_factory=lambda: Ewma(0.2))  # time to first token beyond prefill, idle
-    output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
-    itl_by_bucket: dict[int, Ewma] = field(default_factory=dict)
+class ByConcurrency:
+    """A cost per concurrency level (1, 2, 4, 8, ...), learned online. Between measured levels:
+    interpolated; below the lowest: the lowest's; above the highest (or with nothing measured,
+    from the prior): each added sequence is assumed to add half the cost again. Pessimistic
+    enough not to over-admit, optimistic enough that a higher concurrency gets tried, and then
+    measured."""
 
-    def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
-                completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float) -> None:
-        if prefill_ms is not None and prompt_tokens > 0:
-            self.prefill_ms_per_token.add(prefill_ms / prompt_tokens)
-            self.overhead_ms.add(max(0.0, ttft_ms - queue_ms - prefill_ms))
-        if max_tokens > 0:
-            self.output_fraction.add(min(1.0, completion_tokens / max_tokens))
-        if completion_tokens > 1 and decode_ms > 0:
-            self.itl_by_bucket.setdefault(_bucket(concurrency), Ewma(0.2)).add(decode_ms / (completion_tokens - 1))
+    levels: dict[int, Ewma] = field(default_factory=dict)
 
-    def prefill_ms(self, prompt_tokens: int) -> float:
-        per_token = self.prefill_ms_per_token.value or self.prior_prefill_ms_per_token
-        return per_token * prompt_tokens + (self.overhead_ms.value or 0.0)
+    def add(self, concurrency: float, value: float) -> None:
+        self.levels.setdefault(_bucket(concurrency), Ewma(0.2)).add(value)
 
-    def expected_tokens(self, max_tokens: int) -> float:
-        # Until a few completions are measured, assume half the budget is used.
-        fraction = self.output_fraction.value if self.output_fraction.samples >= 3 else PRIOR_OUTPUT_FRACTION
-        return max(1.0, fraction * max_tokens)
-
-    def itl_ms(self, concurrency: float) -> float:
-        """Decode ms/token with this many sequences in flight. Between measured levels:
-        interpolated; below the lowest: the lowest's ITL; above the highest (or with nothing
-        measured, from the prior): each added sequence is assumed to add half a step's cost.
-        Pessimistic enough not to over-admit, optimistic enough that a higher concurrency gets
-        tried, and then measured."""
-        measured = sorted((b, e.value) for b, e in self.itl_by_bucket.items() if e.value is not None)
+    def at(self, concurrency: float, prior: float) -> float:
+        measured = sorted((b, e.value) for b, e in self.levels.items() if e.value is not None)
         c = max(1.0, concurrency)
         if not measured:
-            return self.prior_itl_ms * (1 + BATCH_COST * (c - 1))
+            return prior * (1 + BATCH_COST * (c - 1))
         if c <= measured[0][0]:
             return measured[0][1]
         for (b0, v0), (b1, v1) in zip(measured, measured[1:]):
@@ -78,12 +58,50 @@ class ModelEstimates:
         top, value = measured[-1]
         return value * (1 + BATCH_COST * (c / top - 1))
 
+    def snapshot(self) -> dict[int, float | None]:
+        return {b: _round(e.value) for b, e in sorted(self.levels.items())}
+
+
+@dataclass
+class ModelEstimates:
+    prior_itl_ms: float
+    prior_prefill_ms_per_token: float
+    # Prefill slows with concurrency as much as decode does on shared cores: both are per level.
+    prefill_ms_per_token: ByConcurrency = field(default_factory=ByConcurrency)
+    overhead_ms: Ewma = field(default_factory=lambda: Ewma(0.2))  # time to first token beyond prefill
+    output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
+    itl: ByConcurrency = field(default_factory=ByConcurrency)
+
+    def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
+                completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,
+                start_concurrency: float | None = None) -> None:
+        if prefill_ms is not None and prompt_tokens > 0:
+            self.prefill_ms_per_token.add(start_concurrency or concurrency, prefill_ms / prompt_tokens)
+            self.overhead_ms.add(max(0.0, ttft_ms - queue_ms - prefill_ms))
+        if max_tokens > 0:
+            self.output_fraction.add(min(1.0, completion_tokens / max_tokens))
+        if completion_tokens > 1 and decode_ms > 0:
+            self.itl.add(concurrency, decode_ms / (completion_tokens - 1))
+
+    def prefill_ms(self, prompt_tokens: int, concurrency: float = 1.0) -> float:
+        per_token = self.prefill_ms_per_token.at(concurrency, self.prior_prefill_ms_per_token)
+        return per_token * prompt_tokens + (self.overhead_ms.value or 0.0)
+
+    def expected_tokens(self, max_tokens: int) -> float:
+        # Until a few completions are measured, assume half the budget is used.
+        fraction = self.output_fraction.value if self.output_fraction.samples >= 3 else PRIOR_OUTPUT_FRACTION
+        return max(1.0, fraction * max_tokens)
+
+    def itl_ms(self, concurrency: float) -> float:
+        """Decode ms/token with this many sequences in flight (on the box)."""
+        return self.itl.at(concurrency, self.prior_itl_ms)
+
     def snapshot(self) -> dict:
         return {
-            "prefill_ms_per_token": _round(self.prefill_ms_per_token.value),
+            "prefill_ms_per_token_by_concurrency": self.prefill_ms_per_token.snapshot(),
             "overhead_ms": _round(self.overhead_ms.value),
             "output_fraction": _round(self.output_fraction.value),
-            "itl_ms_by_concurrency": {b: _round(e.value) for b, e in sorted(self.itl_by_bucket.items())},
+            "itl_ms_by_concurrency": self.itl.snapshot(),
             "completions": self.output_fraction.samples,
         }
 

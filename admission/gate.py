@@ -138,7 +138,7 @@ class AdmissionGate:
         est = self.estimates[t.model_id]
         itl = est.itl_ms(concurrency)
         # A batching engine finishes the step in progress before taking a new sequence in.
-        first = est.prefill_ms(t.prompt_tokens) + (itl if concurrency > 1 else 0.0)
+        first = est.prefill_ms(t.prompt_tokens, concurrency) + (itl if concurrency > 1 else 0.0)
         return first * self.safety, (first + est.expected_tokens(t.max_tokens) * itl) * self.safety
 
     def _prefills_ahead_ms(self, now: float) -> float:

@@ -106,7 +106,7 @@ class AdmissionPolicy:
         self.estimates[ticket.model_id].observe(
             prompt_tokens=ticket.prompt_tokens, prefill_ms=prefill_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
-            concurrency=concurrency,
+            concurrency=concurrency, start_concurrency=ticket.concurrency_at_start,
         )
 
     # ------------------------------------------------------------------ the controller's view
