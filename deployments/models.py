@@ -32,10 +32,17 @@ class _ModelDeployment:
                                ("hit", "Prompt tokens whose KV came from the prefix cache"))
         }
         self._prefix_seen = {"query": 0, "hit": 0}
+        try:
+            self._replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside Serve (unit use)
+            self._replica_id = f"pid-{os.getpid()}"
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        first = True
         try:
             async for chunk in self.service.generate(request):
+                if first:
+                    chunk.replica, first = self._replica_id, False
                 yield chunk
         finally:
             self._export_prefix_counts()

@@ -44,3 +44,4 @@ class GenerateChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)  # engine-side stage times, first/last chunk
+    replica: str = ""  # the model replica that made it (first chunk): x-model-replica, for debugging and bench

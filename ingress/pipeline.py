@@ -451,6 +451,8 @@ class Pipeline:
             if first.finish_reason == "abort":
                 raise APIError(503, "the request's deadline passed before the model could start", code="deadline_exceeded")
             headers = self._headers(p, decision, cache_state)
+            if first.replica:
+                headers["x-model-replica"] = first.replica
             if p.coalesced:
                 headers["x-coalesced"] = "true"
             if not p.stream:

@@ -45,6 +45,8 @@ def test_chat_non_streaming_real_text_and_usage(service, tokenizer):
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     assert raw.headers["x-cache"] == "bypass"
     assert raw.headers["x-route"].startswith(TARGET + ";reason=explicit")
+    assert raw.headers["x-model-replica"], "which model replica answered"
+    assert raw.headers["x-slo-tier"] == "interactive"
     timing = raw.headers["server-timing"]
     for stage in ("admit", "route", "ttft", "prefill", "total"):
         assert f"{stage};dur=" in timing
