@@ -174,10 +174,13 @@ class AdmissionGate:
         return not any(t.model_id == model_id for t in self.running) and not self.others_inflight.get(model_id)
 
     def _idle_takes(self, t: Ticket, now: float) -> bool:
-        """An idle model takes a request whose first token it can deliver in time, even if the
-        whole answer is predicted late (output length is a guess; nothing else is slowed). A
-        prompt whose prefill alone misses the TTFT target is not taken: it would only hold the
-        cores while others wait."""
+        """An idle box takes any request: nothing else is slowed, and turning it away helps
+        no one (a prompt too long for the TTFT target would get 503s forever). An idle model on
+        a busy box takes a request whose first token it can deliver in time, even if the whole
+        answer is predicted late (output length is a guess), but not one that would hold the
+        shared cores past its TTFT target while others wait."""
+        if self.concurrency() == 0:
+            return True
         if not self._idle(t.model_id):
             return False
         if t.ttft_deadline is None or self.estimates[t.model_id].itl.levels == {}:

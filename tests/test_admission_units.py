@@ -156,7 +156,7 @@ def test_prompts_still_in_prefill_count_against_a_new_requests_ttft():
     asyncio.run(main())
 
 
-def test_an_idle_model_takes_what_it_can_start_in_time_but_not_a_prompt_too_long_for_the_ttft_target():
+def test_an_idle_model_on_a_busy_box_takes_what_it_can_start_in_time():
     gate = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 5.0), safety=1.0)  # 5 ms per prompt token
     est = gate.estimates["m"]
     est.observe(prompt_tokens=100, prefill_ms=500.0, ttft_ms=500.0, queue_ms=0.0, completion_tokens=11,
@@ -164,5 +164,8 @@ def test_an_idle_model_takes_what_it_can_start_in_time_but_not_a_prompt_too_long
     now = time.monotonic()
     short = Ticket("m", "t", 0, 100, 10_000, deadline=now + 5, ttft_deadline=now + 1)  # e2e a guess, TTFT ok
     long = Ticket("m", "t", 0, 400, 10, deadline=now + 60, ttft_deadline=now + 1)  # 2 s of prefill alone
+    gate.running.add(Ticket("other-model", "t", 0, 10, 10))  # the box is busy, this model idle
     assert gate.would_meet(short)
     assert gate.check(long).reason == "deadline_unmeetable"
+    gate.running.clear()  # an idle box takes even the long prompt: turning it away helps no one
+    assert gate.would_meet(long)
