@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from bench.service import OFFLINE_ENV, running_service
-from configs.schemas import EngineConfig, TenantLimits
+from configs.schemas import EngineConfig, TenantLimits, TierConfig
 from configs.serve_config import load_serve_config
 from ingress.context import tenant_from_headers
 
@@ -22,6 +22,7 @@ TEST_MAX_QUEUED = 1
 TEST_BODY_TIMEOUT_S = 2.0
 # A tenant with tight limits, for the 429/403 tests: 2 requests at once, then 1 every 20 s; batch tier only.
 LIMITED_KEY = "sk-limited-tenant"
+DOWNGRADE_TIER = "downgradable"
 
 
 class Service:
@@ -76,6 +77,9 @@ def service(serve_file):
         args.admission.max_inflight = TEST_MAX_INFLIGHT
         args.admission.max_queued = TEST_MAX_QUEUED
         args.ingress.body_timeout_s = TEST_BODY_TIMEOUT_S
+        # Downgrades without a TTFT target: whether the small model takes the request then depends
+        # only on it being idle, not on how fast the shared cores happen to be right now.
+        args.admission.tiers[DOWNGRADE_TIER] = TierConfig(priority=0, e2e_ms=15_000, downgrade=True)
         args.admission.tenants[tenant_from_headers({"authorization": f"Bearer {LIMITED_KEY}"})] = TenantLimits(
             tier="batch", allowed_tiers=["batch"], requests_per_s=0.05, request_burst=2
         )

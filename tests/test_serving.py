@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import LIMITED_KEY, TEST_BODY_TIMEOUT_S, TEST_MAX_INFLIGHT
+from tests.conftest import DOWNGRADE_TIER, LIMITED_KEY, TEST_BODY_TIMEOUT_S, TEST_MAX_INFLIGHT
 
 TARGET = "smollm2-135m-instruct"
 SMALL = "smollm2-135m-instruct-q4"
@@ -556,7 +556,7 @@ def test_auto_request_is_downgraded_when_only_the_small_model_can_meet_its_deadl
                 "max_tokens": 200, "temperature": 0, "stream": True}
         with httpx.Client(base_url=service.base_url, timeout=30) as http:
             with http.stream("POST", "/v1/chat/completions", json=body,
-                             headers={**NO_CACHE, "x-request-deadline-ms": "2500"}) as resp:
+                             headers={**NO_CACHE, "x-request-deadline-ms": "2500", "x-slo-tier": DOWNGRADE_TIER}) as resp:
                 assert resp.status_code == 200, resp.read()
                 assert resp.headers["x-route"].startswith(SMALL + ";reason=deadline_downgrade")
                 assert resp.headers["x-admission"].startswith("downgraded")
