@@ -551,12 +551,13 @@ def test_unknown_tier_is_a_400_and_tenant_limits_are_429_with_retry_after(servic
 def test_auto_request_is_downgraded_when_only_the_small_model_can_meet_its_deadline(service):
     client, ctx, _ = _open_stream(service)  # the large model is busy for many seconds
     try:
-        # max_tokens > 128 routes to the large model; at its speed, 200 tokens can't make 2.5 s.
+        # max_tokens > 128 routes to the large model; at its speed (>= 55 ms/token here, more
+        # beside the stream), 480 tokens can't make 4 s. The idle small model takes it.
         body = {"model": "auto", "messages": [{"role": "user", "content": "Tell me about the sea."}],
-                "max_tokens": 200, "temperature": 0, "stream": True}
+                "max_tokens": 480, "temperature": 0, "stream": True}
         with httpx.Client(base_url=service.base_url, timeout=30) as http:
             with http.stream("POST", "/v1/chat/completions", json=body,
-                             headers={**NO_CACHE, "x-request-deadline-ms": "2500", "x-slo-tier": DOWNGRADE_TIER}) as resp:
+                             headers={**NO_CACHE, "x-request-deadline-ms": "4000", "x-slo-tier": DOWNGRADE_TIER}) as resp:
                 assert resp.status_code == 200, resp.read()
                 assert resp.headers["x-route"].startswith(SMALL + ";reason=deadline_downgrade")
                 assert resp.headers["x-admission"].startswith("downgraded")
