@@ -18,8 +18,8 @@ An idle model takes a request it can start in time (`_idle_takes`): nothing is g
 it away.
 
 Concurrency counts every model's running requests: on one box the models share the cores
-(on a CPU, the target's ITL measured 3.4x higher with one request on each model than alone),
-so each model's ITL is learned against the total.
+(in the service on 2 CPU cores, the target's ITL with two requests in flight, on either model,
+measured ~3x its ITL alone), so each model's ITL is learned against the total.
 """
 
 from __future__ import annotations
@@ -50,14 +50,10 @@ class Ticket:
     ttft_deadline: float | None = None  # ... and the first one
     arrived: float = field(default_factory=time.monotonic)
     # Set when it starts:
-    started: float | None = None
     concurrency_at_start: float = 1.0
-    finish_at: float = 0.0  # predicted
-    first_at: float = 0.0  # predicted first token; set to the real one when it arrives
-    prefilled: bool = False
-
-    def latest(self) -> float:
-        return min(self.deadline or INF, self.ttft_deadline or INF)
+    first_at: float = 0.0  # predicted first token
+    finish_at: float = 0.0  # predicted last token
+    prefilled: bool = False  # its first token arrived: its prefill delays no one any more
 
 
 @dataclass
@@ -121,7 +117,7 @@ class AdmissionGate:
             out[t.model_id] = out.get(t.model_id, 0) + 1
         return out
 
-    def concurrency(self, model_id: str | None = None) -> int:
+    def concurrency(self) -> int:
         """Requests running on the box, every model's (see the module docstring)."""
         return len(self.running) + sum(self.others_inflight.values())
 
@@ -152,7 +148,7 @@ class AdmissionGate:
 
     def _fits_now(self, t: Ticket, now: float) -> bool:
         """Can it start now without missing its own deadlines or pushing a running one past its?"""
-        c = self.concurrency(t.model_id) + 1
+        c = self.concurrency() + 1
         first_ms, last_ms = self._service_ms(t, c)
         ahead_ms = self._prefills_ahead_ms(now)
         first_ms, last_ms = first_ms + ahead_ms, last_ms + ahead_ms
@@ -191,7 +187,7 @@ class AdmissionGate:
     def predict(self, t: Ticket, ahead: list[Ticket], now: float) -> Prediction:
         """When `t` would start and finish if it waited behind `ahead`: each departure of a
         running request lets the next one in, at today's concurrency."""
-        c = max(1, self.concurrency(t.model_id))
+        c = max(1, self.concurrency())
         slots = sorted(r.finish_at for r in self.running) or [now]
         slots = [max(now, s) for s in slots][: max(1, min(len(slots), self.max_inflight))]
         heapq.heapify(slots)
@@ -214,9 +210,16 @@ class AdmissionGate:
         would start or queue the ticket."""
         now = self._clock()
         ahead = self._queue_ahead(t)
-        if not ahead and self.inflight < self.max_inflight and (self._idle_takes(t, now) or self._fits_now(t, now)):
+        if self._can_start(t, ahead, now):
             return None
-        if len(ahead) >= self.max_queued or self.queued >= self.max_queued:
+        return self._wait_rejection(t, ahead, now)
+
+    def _can_start(self, t: Ticket, ahead: list[Ticket], now: float) -> bool:
+        return not ahead and self.inflight < self.max_inflight and (self._idle_takes(t, now) or self._fits_now(t, now))
+
+    def _wait_rejection(self, t: Ticket, ahead: list[Ticket], now: float) -> Rejection | None:
+        """For a ticket that can't start now: why it may not wait either, or None to queue it."""
+        if self.queued >= self.max_queued:
             return self._reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
         predicted = self.predict(t, ahead, now)
         if not self._meets(t, predicted, now):
@@ -245,18 +248,17 @@ class AdmissionGate:
         """Start now, wait in (priority, deadline) order, or raise `Rejection`. Pair with `release(t)`."""
         now = self._clock()
         ahead = self._queue_ahead(t)
-        if not ahead and self.inflight < self.max_inflight and (self._idle_takes(t, now) or self._fits_now(t, now)):
+        if self._can_start(t, ahead, now):
             self._start(t, now)
             return
-        rejection = self.check(t)
+        rejection = self._wait_rejection(t, ahead, now)
         if rejection is not None:
-            self.rejected[rejection.reason] = self.rejected.get(rejection.reason, 0) + 1
-            raise rejection
+            raise self.count(rejection)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (t.priority, t.deadline or INF, next(self._seq), t, waiter)
         heapq.heappush(self._queue, entry)
         # The latest start that can still meet its deadlines: past it, it is dropped unserved.
-        first_ms, last_ms = self._service_ms(t, max(1, self.concurrency(t.model_id)))
+        first_ms, last_ms = self._service_ms(t, max(1, self.concurrency()))
         latest = min((t.deadline or INF) - last_ms / 1000, (t.ttft_deadline or INF) - first_ms / 1000)
         timeout = None if latest == INF else max(0.0, latest - now)
         try:
@@ -265,11 +267,10 @@ class AdmissionGate:
             if waiter.done() and not waiter.cancelled():
                 return  # started in the same instant the timeout fired: keep the slot
             waiter.cancel()
-            self.rejected["deadline_in_queue"] = self.rejected.get("deadline_in_queue", 0) + 1
-            raise self._reject(
+            raise self.count(self._reject(
                 "deadline_in_queue", "the request's deadline could no longer be met while it waited",
                 t, len(ahead), waited_ms=(self._clock() - now) * 1000,
-            ) from None
+            )) from None
         except asyncio.CancelledError:  # the client went away while queued
             if waiter.done() and not waiter.cancelled():
                 self.release(t)
@@ -284,9 +285,14 @@ class AdmissionGate:
         self.running.discard(t)
         self._wake()
 
+    def count(self, rejection: Rejection) -> Rejection:
+        """Count a rejection that is being raised (`check` alone counts nothing)."""
+        self.rejected[rejection.reason] = self.rejected.get(rejection.reason, 0) + 1
+        return rejection
+
     def _start(self, t: Ticket, now: float) -> None:
-        c = self.concurrency(t.model_id) + 1
-        t.started, t.concurrency_at_start = now, c
+        c = self.concurrency() + 1
+        t.concurrency_at_start = c
         first_ms, last_ms = self._service_ms(t, c)
         ahead_s = self._prefills_ahead_ms(now) / 1000
         t.first_at, t.finish_at = now + ahead_s + first_ms / 1000, now + ahead_s + last_ms / 1000
@@ -294,8 +300,9 @@ class AdmissionGate:
         self.admitted += 1
 
     def _wake(self) -> None:
-        """Start queued tickets in order while the head fits; a head that can no longer meet
-        its deadline even if started now is dropped (its waiter times out at once)."""
+        """Start queued tickets in order while the head fits. A head that does not fit holds the
+        line until a release makes room or its latest useful start passes (its waiter's timeout
+        drops it, and wakes the next)."""
         while self._queue and self.inflight < self.max_inflight:
             _, _, _, t, waiter = self._queue[0]
             if waiter.done():

@@ -28,8 +28,11 @@ class TokenBucket:
         if amount <= self.level:
             self.level -= amount
             return 0.0
-        if amount > burst:  # can never fit: wait for a full bucket, then it goes through
-            return max(0.0, (burst - self.level) / rate)
+        if amount > burst:  # more than a full bucket holds: it goes through once the bucket is
+            if self.level >= burst:  # full, leaving a debt that later requests wait out
+                self.level -= amount
+                return 0.0
+            return (burst - self.level) / rate
         return (amount - self.level) / rate
 
     def give_back(self, amount: float) -> None:

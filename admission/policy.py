@@ -89,8 +89,7 @@ class AdmissionPolicy:
         if candidates and all(r is not None for r in rejections):
             rej = rejections[0]
             assert rej is not None
-            self.gate.rejected[rej.reason] = self.gate.rejected.get(rej.reason, 0) + 1
-            raise _shed(candidates[0], rej)
+            raise _shed(candidates[0], self.gate.count(rej))
 
     async def admit(self, ticket: Ticket) -> None:
         """Start, queue (EDF within tier), or 503 with the prediction and a Retry-After."""
@@ -102,7 +101,7 @@ class AdmissionPolicy:
     def observe(self, ticket: Ticket, *, ttft_ms: float, queue_ms: float, prefill_ms: float | None,
                 completion_tokens: int, total_ms: float) -> None:
         """A finished request updates the service-time estimates of its model."""
-        concurrency = (ticket.concurrency_at_start + self.gate.concurrency(ticket.model_id)) / 2
+        concurrency = (ticket.concurrency_at_start + self.gate.concurrency()) / 2
         self.estimates[ticket.model_id].observe(
             prompt_tokens=ticket.prompt_tokens, prefill_ms=prefill_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,

@@ -171,7 +171,7 @@ async def _closed_loop(base: str, clients: int, duration_s: float, mode: str, se
 
 
 def _point(outcomes: list[Outcome], window_s: float, load_factor: float, admission: bool, rate: float) -> dict:
-    admitted = [o for o in outcomes if o.kind in ("ok", "error", "lost") or (o.kind == "abandoned")]
+    admitted = [o for o in outcomes if o.kind != "shed"]
     completed = [o for o in outcomes if o.kind == "ok"]
     shed = [o for o in outcomes if o.kind == "shed"]
     interactive_ttft = [o.ttft_ms for o in admitted if o.tier == "interactive" and o.ttft_ms is not None]

@@ -254,7 +254,6 @@ class AdmissionConfig(_Strict):
     )
     max_inflight: int = Field(32, ge=1, description="requests generating at once, whole service")
     max_queued: int = Field(64, ge=0, description="requests waiting for a slot, whole service")
-    default_queue_timeout_s: float = Field(30.0, gt=0, description="wait when no deadline is given")
     sync_interval_s: float = Field(1.0, gt=0, description="how often ingress replicas sync with the controller")
     retry_after_s: int = Field(1, ge=0, description="Retry-After floor; sheds add the predicted wait")
     default_tier: str = "interactive"

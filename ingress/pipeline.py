@@ -336,8 +336,8 @@ class Pipeline:
         if fitted is None:
             raise bad_request(
                 f"the {p.ctx.tier!r} tier allows {budget} input tokens and "
-                + ("the system prompt plus the last message alone" if p.kind == "chat" else "the prompt")
-                + f" are over it ({len(p.prompt_ids)} tokens in all; the model's context window is "
+                + ("the system prompt plus the last message alone are" if p.kind == "chat" else "the prompt is")
+                + f" over it ({len(p.prompt_ids)} tokens in all; the model's context window is "
                 f"{self.max_model_len[p.requested_model]})",
                 "messages" if p.kind == "chat" else "prompt",
                 "context_length_exceeded",
@@ -395,7 +395,10 @@ class Pipeline:
                 p.exact_done.set()
             self._tokenize(p)
             self.admission.charge_tenant(ctx, len(p.prompt_ids) + p.sampling.max_tokens)
-            if p.mode == "predictive":  # hopeless for every model that could answer: shed before any hop
+            # Hopeless for every model that could answer: shed now, before waiting on the lookup
+            # or routing (the exact-match hop already in flight is cancelled), so a shed answer
+            # costs microseconds here even under load. Even a would-be cache hit is shed.
+            if p.mode == "predictive":
                 models = [p.requested_model]
                 if p.requested_model == self.args.router.auto_model_id:
                     models = [self.args.target.engine.model_id, self.args.draft.engine.model_id]

@@ -169,3 +169,15 @@ def test_an_idle_model_on_a_busy_box_takes_what_it_can_start_in_time():
     assert gate.check(long).reason == "deadline_unmeetable"
     gate.running.clear()  # an idle box takes even the long prompt: turning it away helps no one
     assert gate.would_meet(long)
+
+
+def test_a_request_larger_than_the_token_burst_goes_through_on_a_full_bucket_and_leaves_a_debt():
+    now = [0.0]
+    config = AdmissionConfig(tenants={"default": TenantLimits(tokens_per_s=10, token_burst=100)})
+    limiter = TenantLimiter(config, clock=lambda: now[0])
+    limiter.check("a", 150)  # a full bucket: allowed once, 50 tokens in debt
+    with pytest.raises(OverLimit) as over:
+        limiter.check("a", 1)
+    assert over.value.limit == "tokens" and over.value.retry_after_s == 6  # 51 tokens at 10/s
+    now[0] = 6.0
+    limiter.check("a", 1)
