@@ -117,6 +117,13 @@ class AdmissionGate:
             out[t.model_id] = out.get(t.model_id, 0) + 1
         return out
 
+    def queued_by_model(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for *_, t, waiter in self._queue:
+            if not waiter.done():
+                out[t.model_id] = out.get(t.model_id, 0) + 1
+        return out
+
     def concurrency(self) -> int:
         """Requests running on the box, every model's (see the module docstring)."""
         return len(self.running) + sum(self.others_inflight.values())

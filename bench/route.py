@@ -101,8 +101,8 @@ async def _closed_loop(base: str, model: str, conversations: list, concurrency: 
                 "route": raw.headers.get("x-route", ""),
                 "e2e_ms": (end - start) * 1000,
                 "ttft_ms": ((first or end) - start) * 1000,
-                "route_ms": timing.get("route", float("nan")),
-                "embed_ms": timing.get("embed", float("nan")),
+                "route_ms": timing.get("route.decide", float("nan")),
+                "embed_ms": timing.get("lookup.embed", float("nan")),
             })
             bar.update(1)
 

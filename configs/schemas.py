@@ -298,6 +298,30 @@ class IngressConfig(_Strict):
     )
 
 
+class TracingConfig(_Strict):
+    exporter: Literal["none", "console", "otlp"] = Field(
+        "none", description="none: no spans are made (free); console: stdout; otlp: OTLP/HTTP to `endpoint`"
+    )
+    endpoint: str = Field("http://127.0.0.1:4318/v1/traces", description="the OTLP/HTTP traces URL (otlp only)")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="new traces kept; a client's traceparent decides for its own")
+    export_interval_ms: int = Field(2000, ge=10, description="how often finished spans leave in a batch")
+    service_name: str = "latency-serve"
+
+
+class MetricsConfig(_Strict):
+    enabled: bool = Field(True, description="request and engine metrics on Ray's Prometheus endpoint")
+    # Seconds. Covers a 2-core box (hundreds of ms) and a GPU (a few ms) alike.
+    latency_buckets_s: list[float] = [
+        0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+        1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+    ]
+
+
+class TelemetryConfig(_Strict):
+    tracing: TracingConfig = TracingConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+
 class AppArgs(_Strict):
     """Everything under `applications[].args` in serve_config.yaml."""
 
@@ -307,6 +331,7 @@ class AppArgs(_Strict):
     cache: CacheConfig = CacheConfig()
     admission: AdmissionConfig = AdmissionConfig()
     ingress: IngressConfig = IngressConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     @model_validator(mode="after")
     def _distinct_models(self) -> "AppArgs":

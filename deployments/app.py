@@ -44,13 +44,14 @@ def build_graph(
             options.setdefault("logging_config", logging_config)
         return deployment.options(**options) if options else deployment
 
-    admission = with_options(AdmissionController).bind(args.admission.model_dump())
+    admission = with_options(AdmissionController).bind(args.admission.model_dump(), args.telemetry.metrics.enabled)
     cache = with_options(SemanticCache).bind(args.cache.model_dump())
     router = with_options(Router).bind(
         args.router.model_dump(), args.target.engine.model_id, args.draft.engine.model_id
     )
-    draft = with_options(DraftModel).bind(args.draft.model_dump())
+    telemetry = args.telemetry.model_dump()
+    draft = with_options(DraftModel).bind(args.draft.model_dump(), telemetry)
     # Remote speculation: the target calls the draft deployment once per round.
     remote_draft = draft if args.target.speculative.placement == "remote" and "draft_model" in args.target.speculative.method else None
-    target = with_options(TargetModel).bind(args.target.model_dump(), remote_draft)
+    target = with_options(TargetModel).bind(args.target.model_dump(), remote_draft, telemetry)
     return with_options(Ingress).bind(args.model_dump(), admission, cache, router, target, draft)

@@ -7,7 +7,6 @@ import os
 
 from fastapi import FastAPI
 from ray import serve
-from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
 
 from admission.sync import AdmissionSync
@@ -20,6 +19,8 @@ from ingress.prompts import PromptBuilder
 from router.base import RouteDecision, RouteFeatures
 from semantic_cache.cache import CacheEntry, Lookup
 from semantic_cache.exact import CachedResponse
+from telemetry.metrics import RequestMetrics
+from telemetry.tracing import make_tracer
 
 
 class HandleBackends:
@@ -111,12 +112,11 @@ class Ingress:
 
             embedder = await asyncio.get_running_loop().run_in_executor(None, Embedder)
         self.pipeline = Pipeline(config, backends, _prompt_builders(config), embedder)
-        # Route counts on Ray's Prometheus endpoint (tags: model, reason; reason=load_downgrade
-        # counts downgrades). The same counts are on /health for this replica.
-        routes = metrics.Counter(
-            "llm_router_requests", description="Requests by routed model and reason", tag_keys=("model", "reason")
-        )
-        self.pipeline.on_route = lambda d: routes.inc(tags={"model": d.model_id, "reason": d.reason})
+        self.pipeline.tracer = make_tracer(config.telemetry.tracing, "Ingress")
+        if config.telemetry.metrics.enabled:
+            models = [config.target.engine.model_id, config.draft.engine.model_id]
+            self.pipeline.metrics = RequestMetrics(config.telemetry.metrics, models)
+            self._gauge_task = asyncio.create_task(self._gauges_forever(self.pipeline.metrics))
         replica_id = f"{os.getpid()}-{id(self)}"
         try:
             replica_id = serve.get_replica_context().replica_id.unique_id
@@ -130,6 +130,16 @@ class Ingress:
         # the first real request finds the handles' replica sets already known.
         self.pipeline.ready = False
         self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats]))
+
+    async def _gauges_forever(self, recorder: RequestMetrics) -> None:
+        """Queue depth per model, once a second, off the request path."""
+        gate = self.pipeline.gate
+        while True:
+            try:
+                recorder.queues(gate.running_by_model(), gate.queued_by_model())
+            except Exception:  # a metric is never worth a dead replica
+                pass
+            await asyncio.sleep(1.0)
 
     async def _warm(self, calls) -> None:
         for call in calls:

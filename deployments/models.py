@@ -8,29 +8,27 @@ from collections.abc import AsyncIterator
 
 import torch
 from ray import serve
-from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
 
-from configs.schemas import ModelStageConfig
+from configs.schemas import ModelStageConfig, TelemetryConfig
 from draft.remote import DraftSessions, RemoteDraft
 from engines.service import ModelService
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
+from telemetry.metrics import EngineMetrics
+from telemetry.tracing import ModelCallTrace, make_tracer
 
 
 class _ModelDeployment:
-    def __init__(self, args: dict, draft: DeploymentHandle | None = None) -> None:
+    def __init__(self, args: dict, draft: DeploymentHandle | None = None, telemetry: dict | None = None) -> None:
         config = ModelStageConfig.model_validate(args)
+        observe = TelemetryConfig.model_validate(telemetry or {})
         if config.engine.nice:
             os.nice(config.engine.nice)  # this replica's own process: the ingress and proxy keep their priority
         remote = RemoteDraft(draft) if draft is not None else None
         self.service = ModelService(config, remote_draft=remote)
-        self._model_tag = {"model": config.engine.model_id}
-        # Prefix-cache tokens on Ray's Prometheus endpoint: hit rate = hit / query.
-        self._prefix_counters = {
-            name: metrics.Counter(f"llm_prefix_cache_{name}_tokens", description=text, tag_keys=("model",))
-            for name, text in (("query", "Prompt tokens looked up in the prefix KV cache"),
-                               ("hit", "Prompt tokens whose KV came from the prefix cache"))
-        }
+        self._model_id = config.engine.model_id
+        self._tracer = make_tracer(observe.tracing, type(self).__name__)
+        self._metrics = EngineMetrics(observe.metrics, self._model_id) if observe.metrics.enabled else None
         self._prefix_seen = {"query": 0, "hit": 0}
         try:
             self._replica_id = serve.get_replica_context().replica_id.unique_id
@@ -38,23 +36,40 @@ class _ModelDeployment:
             self._replica_id = f"pid-{os.getpid()}"
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        traced = ModelCallTrace(self._tracer, request.trace, self._model_id) if self._tracer and request.trace else None
         first = True
+        last: GenerateChunk | None = None
+        tokens = 0
         try:
             async for chunk in self.service.generate(request):
                 if first:
                     chunk.replica, first = self._replica_id, False
+                    if traced is not None:
+                        traced.first_chunk(chunk.timings_ms)
+                tokens += chunk.num_tokens
+                last = chunk
                 yield chunk
         finally:
-            self._export_prefix_counts()
+            done = last is not None and last.finish_reason is not None
+            self._record(last if done else None)
+            if traced is not None:
+                traced.finish(tokens, last.timings_ms if done else {}, last.finish_reason if done else "cancelled")
 
-    def _export_prefix_counts(self) -> None:
+    def _record(self, last: GenerateChunk | None) -> None:
+        """Speculation and prefix-cache counters onto Ray's Prometheus endpoint."""
+        if self._metrics is None:
+            return
+        if last is not None:
+            self._metrics.speculation(
+                int(last.timings_ms.get("spec_proposed", 0)), int(last.timings_ms.get("spec_accepted", 0))
+            )
         cache = getattr(self.service.engine, "prefix_cache", None)
         if cache is None:
             return
+        delta = {}
         for name, total in (("query", cache.query_tokens), ("hit", cache.hit_tokens)):
-            delta, self._prefix_seen[name] = total - self._prefix_seen[name], total
-            if delta > 0:
-                self._prefix_counters[name].inc(delta, tags=self._model_tag)
+            delta[name], self._prefix_seen[name] = total - self._prefix_seen[name], total
+        self._metrics.prefix_cache(delta["query"], delta["hit"])
 
     async def stats(self) -> dict[str, float]:
         return self.service.snapshot()
@@ -69,8 +84,8 @@ class TargetModel(_ModelDeployment):
 class DraftModel(_ModelDeployment):
     """The small model: serves whole routed requests, and drafts for remote speculation."""
 
-    def __init__(self, args: dict) -> None:
-        super().__init__(args)
+    def __init__(self, args: dict, telemetry: dict | None = None) -> None:
+        super().__init__(args, telemetry=telemetry)
         self.sessions = DraftSessions(self.service.engine)
 
     async def propose(

@@ -16,6 +16,7 @@ from semantic_cache.cache import CacheEntry, Lookup, ResponseCache
 from semantic_cache.embedder import DIMENSIONS
 from semantic_cache.exact import CachedResponse
 from semantic_cache.store import make_store
+from telemetry.metrics import ControllerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,24 @@ log = logging.getLogger(__name__)
 class AdmissionController:
     """Shares the service-wide admission limits out among live ingress replicas."""
 
-    def __init__(self, args: dict) -> None:
+    def __init__(self, args: dict, metrics_enabled: bool = True) -> None:
         self.ledger = AdmissionLedger(AdmissionConfig.model_validate(args))
+        if metrics_enabled:  # the one replica that exports the fleet's replica counts
+            self._replicas_task = asyncio.create_task(self._count_replicas_forever(ControllerMetrics()))
+
+    async def _count_replicas_forever(self, recorder: ControllerMetrics, every_s: float = 5.0) -> None:
+        app = serve.get_replica_context().app_name
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                status = await loop.run_in_executor(None, serve.status)  # a controller call: off the loop
+                deployments = status.applications[app].deployments
+                recorder.replicas({
+                    name: int(d.replica_states.get("RUNNING", 0)) for name, d in deployments.items()
+                })
+            except Exception as exc:
+                log.debug("replica count failed: %r", exc)
+            await asyncio.sleep(every_s)
 
     async def report(self, replica_id: str, report: ReplicaReport) -> AdmissionShare:
         return self.ledger.report(replica_id, report)

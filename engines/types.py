@@ -32,6 +32,7 @@ class GenerateRequest:
     sampling: SamplingParams
     deadline_unix: float | None = None  # absolute wall-clock deadline, if the client set one
     draft_hint_ids: list[int] | None = None  # e.g. a near-miss cached answer, for the hint drafter
+    trace: dict[str, str] | None = None  # W3C traceparent of the ingress's model-call span, when traced
 
 
 @dataclass(slots=True)

@@ -54,6 +54,9 @@ from router.load import LoadTracker
 from semantic_cache.cache import CacheEntry, Lookup
 from semantic_cache.exact import CachedResponse, ExactCache
 from semantic_cache.keys import exact_key, scope_key, split_query
+from telemetry.clock import StageClock
+from telemetry.metrics import SHED_REASONS, RequestMetrics
+from telemetry.tracing import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,14 @@ class Prepared:
     ticket: Ticket | None = None  # its admission slot (predictive mode)
     admitted_at: float = 0.0  # perf_counter() when admitted: model-side times count from here
     notes: dict[str, str] = field(default_factory=dict)  # response headers saying what admission changed
-    timings: dict[str, float] = field(default_factory=dict)
+    clock: StageClock = field(default_factory=StageClock)  # where its time went: Server-Timing, spans, metrics
+    trace: RequestTrace | None = None  # its spans, when tracing is on and the trace is sampled
+    model: str = ""  # the model that answers (after routing / downgrade; the cache's for a hit)
+    route: str = ""  # why: RouteDecision.reason
+    cache_state: str = "none"  # hit / miss / hint / bypass
+    engine_queue_ms: float = 0.0  # the model replica's queue and prefill, from its first chunk
+    prefill_ms: float | None = None
+    streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
 
 
 class ReplicaFailed(APIError):
@@ -166,13 +176,22 @@ class Pipeline:
         self.load = LoadTracker(args.router.load_aware, large, small)
         self.route_counts: dict[str, int] = {}  # "model/reason" -> requests
         self.cache_failures = 0  # lookups that failed or timed out and were served as misses
-        self.on_route: Callable[[RouteDecision], None] | None = None  # the deployment's metrics hook
+        # Set by the deployment (telemetry/): None records nothing, as in unit tests without Ray.
+        self.metrics: RequestMetrics | None = None
+        self.tracer = None  # an OpenTelemetry tracer when tracing is on
 
     # ------------------------------------------------------------------ entry points
 
     async def handle(self, request: Request, kind: Kind) -> Response:
+        clock = StageClock()
+        trace = None
+        if self.tracer is not None:
+            trace = RequestTrace(self.tracer, f"POST {request.url.path}", request.headers, clock)
+        prepared: Prepared | None = None
+        ctx: RequestContext | None = None
+        response: Response | None = None
+        shed: str | None = None
         try:
-            t = time.perf_counter()
             ctx = context_from_headers(request.headers)
             mode = self.admission.mode(request.headers)
             tier = self.admission.tier(ctx)
@@ -180,14 +199,53 @@ class Pipeline:
                 ctx.deadline = ctx.target_deadline = ctx.ttft_deadline = None
             body = await self._read_json(request)
             prepared = self._prepare(kind, body, ctx, tier, mode)
-            prepared.timings["prepare"] = _ms(t)
+            prepared.clock, prepared.trace = clock, trace
+            clock.stage("parse")
             if self.args.ingress.log_prompts:  # opt-in only: prompts are user data
                 log.info("request %s tenant=%s %s: %s", ctx.request_id, ctx.tenant, kind, json.dumps(body)[:4000])
-            return await self._serve(prepared)
+            response = await self._serve(prepared)
+            return response
         except APIError as err:
-            return err.response()
+            shed = err.code if err.code in SHED_REASONS else None
+            response = err.response()
+            if trace is not None and trace.sampled:
+                trace.attributes["error.type"] = err.code
+            return response
         except ClientDisconnect:
-            return Response(status_code=499)
+            response = Response(status_code=499)
+            return response
+        finally:
+            self._account(prepared, ctx, clock, trace, response, shed)
+
+    def _account(
+        self, p: Prepared | None, ctx: RequestContext | None, clock: StageClock, trace: RequestTrace | None,
+        response: Response | None, shed: str | None,
+    ) -> None:
+        """Metrics and spans for a request that got its response (a stream's end comes later,
+        in _sse). Never raises: telemetry must not fail a request."""
+        status = response.status_code if response is not None else 499  # None: cancelled (client gone)
+        try:
+            if trace is not None:
+                if response is not None:
+                    response.headers["traceresponse"] = trace.traceresponse()
+                if p is not None:
+                    trace.attributes.update({
+                        "tenant.id": p.ctx.tenant, "slo.tier": p.ctx.tier, "gen_ai.request.model": p.requested_model,
+                        "gen_ai.response.model": p.model or None, "route.reason": p.route or None,
+                        "cache.result": p.cache_state, "gen_ai.usage.input_tokens": len(p.prompt_ids) or None,
+                    })
+                if shed is not None:
+                    trace.attributes["admission.shed_reason"] = shed
+                if p is None or not p.streaming:
+                    trace.finish(status)
+            if self.metrics is not None:
+                tier = ctx.tier if ctx is not None else "none"
+                model, route, cache = (p.model or "none", p.route or "none", p.cache_state) if p else ("none", "none", "none")
+                self.metrics.request(model, route, cache, status, shed, tier)
+                if p is None or not p.streaming:
+                    self.metrics.stages(clock)
+        except Exception as exc:
+            log.debug("telemetry failed: %s", self._why(exc))
 
     async def invalidate(self, request: Request) -> Response:
         """DELETE /v1/cache: drop the calling tenant's cached answers (only its own)."""
@@ -310,7 +368,6 @@ class Pipeline:
 
     def _tokenize(self, p: Prepared) -> None:
         """Prompt ids and the output budget; 400 when the prompt is empty or can't fit."""
-        t = time.perf_counter()
         builder = self.prompts[p.requested_model]
         p.prompt_ids = p.tokenize(builder)
         if not p.prompt_ids:
@@ -324,7 +381,6 @@ class Pipeline:
             p.notes["x-max-tokens-clamped"] = f"{p.sampling.max_tokens}->{cap}; tier={p.ctx.tier}"
             p.sampling.max_tokens = cap
         p.features.prompt_tokens = len(p.prompt_ids)
-        p.timings["tokenize"] = _ms(t)
 
     def _trim(self, p: Prepared, builder: PromptBuilder, budget: int) -> None:
         """Over the tier's input budget: drop the oldest turns (never the system prompt or the
@@ -372,20 +428,20 @@ class Pipeline:
 
     async def _serve(self, p: Prepared) -> Response:
         ctx = p.ctx
-        start = time.perf_counter()
+        clock = p.clock
         use_cache = p.cache_key is not None and not ctx.no_cache
         if use_cache and self.near_cache is not None:
             # A repeat this replica answered lately: no tokenizer, no admission slot, no hop.
             near = self.near_cache.get(p.cache_key)
             if near is not None:
-                p.timings["cache_near"] = p.timings["cache"] = _ms(start)
+                clock.stage("lookup")
                 return self._cached(p, Lookup("hit", near, 1.0, "exact_near"))
         permit: Permit | None = None
         stream: ModelStream | None = None
         lookup: asyncio.Future | None = None
         routing: asyncio.Future | None = None
         first_chunk: asyncio.Future | None = None
-        cache_state = "miss" if use_cache else "bypass"
+        p.cache_state = "miss" if use_cache else "bypass"
         hint: Lookup | None = None
         try:
             if use_cache:
@@ -394,6 +450,7 @@ class Pipeline:
             else:
                 p.exact_done.set()
             self._tokenize(p)
+            clock.stage("tokenize")
             self.admission.charge_tenant(ctx, len(p.prompt_ids) + p.sampling.max_tokens)
             # Hopeless for every model that could answer: shed now, before waiting on the lookup
             # or routing (the exact-match hop already in flight is cancelled), so a shed answer
@@ -405,15 +462,20 @@ class Pipeline:
                 self.admission.shed_early(
                     [self.admission.ticket(m, ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
                 )
+            clock.stage("admit")
             routing = asyncio.ensure_future(self._route(p))  # in parallel with the lookup
             if lookup is not None and not self.args.ingress.overlap_cache_lookup:
                 found, lookup = await lookup, None
+                clock.stage("lookup")
                 if found.outcome == "hit":  # hits take no admission slot: they are served even at capacity
                     routing.cancel()
                     return self._cached(p, found)
                 hint = found if found.outcome == "hint" else None
             decision = await routing
+            clock.stage("route")
             permit, decision = await self._admit(p, decision)
+            clock.stage("queue")
+            p.model, p.route = decision.model_id, decision.reason
             self._count_route(decision)
             builder = self.prompts[decision.model_id]
             if builder is not self.prompts[p.requested_model]:
@@ -423,7 +485,9 @@ class Pipeline:
                 # A near miss: not safe to serve, but a good guess. The target verifies every
                 # token of it, so the answer is exactly what it would have produced anyway.
                 generate.draft_hint_ids = builder.tokenizer.encode(hint.response.text, add_special_tokens=False)
-                cache_state = "hint"
+                p.cache_state = "hint"
+            if p.trace is not None and p.trace.sampled:
+                generate.trace = p.trace.start_model_call(decision.model_id)
             stream = self._start(decision.model_id, generate, p)
             if not p.coalesced:  # a follower adds no load to the model
                 self.load.started(decision.model_id)
@@ -431,6 +495,7 @@ class Pipeline:
             first_chunk = asyncio.ensure_future(self._next(stream, p))
             if lookup is not None:  # the model is already on its way; a hit calls it off
                 found, lookup = await lookup, None
+                clock.stage("lookup")
                 if found.outcome == "hit":
                     first_chunk.cancel()
                     stream.cancel()
@@ -442,18 +507,24 @@ class Pipeline:
             except ReplicaFailed as err:
                 stream = None
                 stream, first = await self._retry(p, decision.model_id, generate, permit, err)
-            p.timings["ttft"] = _ms(start)
             first_at = time.perf_counter()
+            # From the model call to its first chunk: the replica's queue and prefill as it
+            # measured them, the rest is the hop there and back.
+            p.engine_queue_ms = first.timings_ms.get("engine_queue", 0.0)
+            p.prefill_ms = first.timings_ms.get("prefill")
+            clock.stage_parts([("engine_queue", p.engine_queue_ms), ("prefill", p.prefill_ms or 0.0)], "hop", first_at)
+            if "prefix_reused_tokens" in first.timings_ms:
+                clock.counts["prefix_reused_tokens"] = first.timings_ms["prefix_reused_tokens"]
+            ttft_ms = (first_at - clock.start) * 1000
             if p.ticket is not None:
                 self.gate.first_token(p.ticket)
             if not p.coalesced:
-                self.load.observe_ttft(decision.model_id, p.timings["ttft"])
-            for name in ("engine_queue", "prefill", "prefix_reused_tokens"):  # the last is a count, not ms
-                if name in first.timings_ms:
-                    p.timings[name] = first.timings_ms[name]
+                self.load.observe_ttft(decision.model_id, ttft_ms)
             if first.finish_reason == "abort":
                 raise APIError(503, "the request's deadline passed before the model could start", code="deadline_exceeded")
-            headers = self._headers(p, decision, cache_state)
+            if self.metrics is not None:
+                self.metrics.first_token(decision.model_id, ctx.tier, ttft_ms / 1000)
+            headers = self._headers(p, decision, p.cache_state)
             if first.replica:
                 headers["x-model-replica"] = first.replica
             if p.coalesced:
@@ -468,11 +539,13 @@ class Pipeline:
                 if p.retried:
                     headers["x-retried"] = "1"
                 stream = None  # finished: nothing left to cancel
+                clock.stage("decode")
                 self._finished(p, last, first_at)
+                self._completed(p, last, 200)
                 permit.release()
-                p.timings["total"] = _ms(start)
-                headers["server-timing"] = _server_timing(p.timings)
                 self._store(p, decision, text, last)
+                clock.stage("respond")
+                headers["server-timing"] = clock.server_timing()
                 body = full_response(
                     p.kind, _response_id(p), decision.model_id, text, last.finish_reason or "stop",
                     last.prompt_tokens, last.completion_tokens,
@@ -480,7 +553,11 @@ class Pipeline:
                 return JSONResponse(body, headers=headers)
             if p.retried:
                 headers["x-retried"] = "1"
-            headers["server-timing"] = _server_timing(p.timings)
+            clock.stage("respond")
+            headers["server-timing"] = clock.server_timing()  # a stream's headers leave with its first token
+            if p.trace is not None:
+                p.trace.stream_from = first_at
+            p.streaming = True
             body_iter = self._sse(p, decision, first, stream, permit, first_at)
             stream = None  # from here on the SSE body owns the stream and the permit
             head = await body_iter.__anext__()  # started: its `finally` now runs even if nobody reads on
@@ -499,7 +576,6 @@ class Pipeline:
     async def _admit(self, p: Prepared, decision: RouteDecision) -> tuple[Permit, RouteDecision]:
         """Start, queue or shed (503); downgrade to the small model when only it can make the
         deadline and the tier allows it. fifo mode admits everything, in arrival order."""
-        t = time.perf_counter()
         if p.mode == "fifo":
             p.admitted_at = time.perf_counter()
             return Permit(None), decision
@@ -517,7 +593,6 @@ class Pipeline:
                 p.notes["x-admission"] = "downgraded; the large model could not meet the deadline"
         await self.admission.admit(ticket)
         p.ticket = ticket
-        p.timings["admit"] = _ms(t)
         p.admitted_at = time.perf_counter()
         return Permit(self.gate, ticket), decision
 
@@ -530,8 +605,8 @@ class Pipeline:
         self.admission.observe(
             p.ticket,
             ttft_ms=(first_at - p.admitted_at) * 1000,
-            queue_ms=p.timings.get("engine_queue", 0.0),
-            prefill_ms=p.timings.get("prefill"),
+            queue_ms=p.engine_queue_ms,
+            prefill_ms=p.prefill_ms,
             completion_tokens=last.completion_tokens,
             total_ms=(now - p.admitted_at) * 1000,
         )
@@ -577,7 +652,7 @@ class Pipeline:
                 exact = await asyncio.wait_for(self.backends.cache_lookup(p.cache_key), self._stage_timeout(p))
             finally:
                 p.exact_done.set()  # a router waiting for the embedding may start it now
-            p.timings["cache_exact"] = _ms(t)
+            p.clock.detail("lookup.cache_exact", t)
             if exact is not None:
                 self._remember(p, exact)
                 return Lookup("hit", exact, 1.0, "exact")
@@ -588,7 +663,7 @@ class Pipeline:
             found = await asyncio.wait_for(
                 self.backends.cache_similar(p.scope, vector, p.query), self._stage_timeout(p)
             )
-            p.timings["cache_semantic"] = _ms(t_sim)
+            p.clock.detail("lookup.cache_semantic", t_sim)
             if found.outcome == "hit" and found.response is not None:
                 self._remember(p, found.response)  # the next identical request skips both hops
             return found
@@ -597,7 +672,7 @@ class Pipeline:
             log.warning("cache lookup failed, treating as a miss: %s", self._why(exc))
             return Lookup("miss", reason="cache_unavailable")
         finally:
-            p.timings["cache"] = _ms(t)
+            p.clock.detail("lookup.cache", t)
 
     def _remember(self, p: Prepared, response: CachedResponse) -> None:
         if self.near_cache is not None and p.cache_key is not None:
@@ -614,7 +689,7 @@ class Pipeline:
         t = time.perf_counter()
         text = p.query if p.query is not None else p.features.last_user_message
         p.vector = await self.embedder.embed_async(text)  # type: ignore[union-attr]
-        p.timings["embed"] = _ms(t)
+        p.clock.detail("lookup.embed", t)
         return p.vector
 
     async def _route(self, p: Prepared) -> RouteDecision:
@@ -632,7 +707,7 @@ class Pipeline:
                     return self.router.route(features)
                 return await asyncio.wait_for(self.backends.route(features), self._stage_timeout(p))
             finally:
-                p.timings["route"] = _ms(t)  # the routing itself, beyond the shared embedding
+                p.clock.detail("route.decide", t)  # the routing itself, beyond the shared embedding
         except Exception as exc:  # router down: the target can answer anything
             log.warning("router failed, using the target model: %s", self._why(exc))
             fallback = p.requested_model
@@ -643,11 +718,6 @@ class Pipeline:
     def _count_route(self, decision: RouteDecision) -> None:
         key = f"{decision.model_id}/{decision.reason}"
         self.route_counts[key] = self.route_counts.get(key, 0) + 1
-        if self.on_route is not None:
-            try:
-                self.on_route(decision)
-            except Exception as exc:  # metrics never fail a request
-                log.debug("route metric failed: %s", self._why(exc))
 
     def router_stats(self) -> dict[str, Any]:
         downgrades = sum(n for k, n in self.route_counts.items() if k.endswith("/load_downgrade"))
@@ -678,10 +748,41 @@ class Pipeline:
 
     async def _collect(self, first: GenerateChunk, stream: ModelStream, p: Prepared) -> tuple[str, GenerateChunk]:
         parts, chunk = [first.text], first
+        last_at = time.perf_counter()
         while chunk.finish_reason is None:
             chunk = await self._next(stream, p)
+            last_at = self._token_gap(p, chunk, last_at)
             parts.append(chunk.text)
         return "".join(parts), chunk
+
+    def _token_gap(self, p: Prepared, chunk: GenerateChunk, last_at: float) -> float:
+        """Inter-token latency of a chunk, as the ingress saw it arrive; returns its arrival."""
+        now = time.perf_counter()
+        if self.metrics is not None and chunk.num_tokens:
+            self.metrics.tokens(p.model, now - last_at, chunk.num_tokens)
+        return now if chunk.num_tokens else last_at
+
+    def _completed(self, p: Prepared, last: GenerateChunk | None, status: int) -> None:
+        """A generated request's end (streamed or not): its metrics and, for streams, its spans."""
+        try:
+            if self.metrics is not None and last is not None:
+                queue_s = ((p.clock.ms("queue") or 0.0) + p.engine_queue_ms) / 1000
+                self.metrics.finished(
+                    p.model, p.ctx.tier, p.clock.elapsed_ms() / 1000, queue_s, last.prompt_tokens, last.completion_tokens
+                )
+                if p.streaming:
+                    self.metrics.stages(p.clock)
+            if p.trace is not None and p.trace.sampled:
+                if last is not None:
+                    p.trace.attributes.update({
+                        "gen_ai.usage.output_tokens": last.completion_tokens,
+                        "speculative.accepted_tokens": int(last.timings_ms.get("spec_accepted", 0)),
+                        "speculative.proposed_tokens": int(last.timings_ms.get("spec_proposed", 0)),
+                    })
+                if p.streaming:
+                    p.trace.finish(status)
+        except Exception as exc:  # telemetry never fails a request
+            log.debug("telemetry failed: %s", self._why(exc))
 
     async def _sse(
         self, p: Prepared, decision: RouteDecision, first: GenerateChunk, stream: ModelStream, permit: Permit,
@@ -691,6 +792,8 @@ class Pipeline:
         parts: list[str] = []
         chunk = first
         finished = False
+        failed = False
+        last_at = first_at
         try:
             yield writer.delta(chunk.text)
             parts.append(chunk.text)
@@ -698,9 +801,11 @@ class Pipeline:
                 try:
                     chunk = await self._next(stream, p)
                 except APIError as err:
+                    failed = True
                     yield writer.error(err.message, err.code or "backend_error")
                     yield writer.done()
                     return
+                last_at = self._token_gap(p, chunk, last_at)
                 if chunk.text:
                     parts.append(chunk.text)
                     yield writer.delta(chunk.text)
@@ -717,6 +822,8 @@ class Pipeline:
                 self._store(p, decision, "".join(parts), chunk)
             else:
                 stream.cancel()  # the client left: stop the model within one step
+            # 200 went out with the headers; a stream cut short is a 503 (backend) or 499 (client gone).
+            self._completed(p, chunk if finished else None, 200 if finished else 503 if failed else 499)
 
     # ------------------------------------------------------------------ 3. cache
 
@@ -724,10 +831,12 @@ class Pipeline:
         hit = found.response
         assert hit is not None
         decision = RouteDecision(hit.model_id, "cache")
+        p.model, p.route, p.cache_state = hit.model_id, "cache", "hit"
         self._count_route(decision)
         headers = self._headers(p, decision, "hit")
         headers["x-cache-match"] = f"{found.reason};score={found.score or 0:.3f}"
-        headers["server-timing"] = _server_timing(p.timings)
+        p.clock.stage("respond")
+        headers["server-timing"] = p.clock.server_timing()
         if not p.stream:
             body = full_response(
                 p.kind, _response_id(p), hit.model_id, hit.text, hit.finish_reason, hit.prompt_tokens, hit.completion_tokens
@@ -795,10 +904,6 @@ def _response_id(p: Prepared) -> str:
     return ("chatcmpl-" if p.kind == "chat" else "cmpl-") + p.ctx.request_id
 
 
-def _ms(since: float) -> float:
-    return (time.perf_counter() - since) * 1000
-
-
 def _pieces(text: str, words: int) -> list[str]:
     """A cached answer cut into stream-sized pieces (whitespace kept, so they join back exactly)."""
     tokens = re.findall(r"\s*\S+", text)
@@ -807,10 +912,6 @@ def _pieces(text: str, words: int) -> list[str]:
     if tail:
         pieces.append(tail)
     return pieces or [text]
-
-
-def _server_timing(timings: dict[str, float]) -> str:
-    return ", ".join(f"{name};dur={value:.1f}" for name, value in timings.items())
 
 
 async def _prepend(head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from bench.service import OFFLINE_ENV, running_service
-from configs.schemas import EngineConfig, TenantLimits, TierConfig
+from configs.schemas import EngineConfig, TenantLimits, TierConfig, TracingConfig
 from configs.serve_config import load_serve_config
 from ingress.context import tenant_from_headers
 
@@ -22,6 +22,8 @@ TEST_MAX_QUEUED = 1
 TEST_BODY_TIMEOUT_S = 2.0
 # A tenant with tight limits, for the 429/403 tests: 2 requests at once, then 1 every 20 s; batch tier only.
 LIMITED_KEY = "sk-limited-tenant"
+# One request, then 429s: test_observability's way to make one shed without loading the box.
+ONE_SHOT_KEY = "sk-one-request-tenant"
 DOWNGRADE_TIER = "downgradable"
 
 
@@ -72,8 +74,21 @@ def embedder():
 
 
 @pytest.fixture(scope="session")
-def service(serve_file):
+def otlp_sink():
+    """A real OTLP/HTTP endpoint on loopback: the shared service exports every span to it."""
+    from bench.otlp_sink import OTLPSink
+
+    sink = OTLPSink()
+    yield sink
+    sink.close()
+
+
+@pytest.fixture(scope="session")
+def service(serve_file, otlp_sink):
     def tighten(args):
+        # Every test request is traced (100%, OTLP through the official exporter), so tracing
+        # runs under the whole suite; test_observability reads the spans back.
+        args.telemetry.tracing = TracingConfig(exporter="otlp", endpoint=otlp_sink.endpoint, export_interval_ms=200)
         args.admission.max_inflight = TEST_MAX_INFLIGHT
         args.admission.max_queued = TEST_MAX_QUEUED
         args.ingress.body_timeout_s = TEST_BODY_TIMEOUT_S
@@ -86,6 +101,9 @@ def service(serve_file):
         args.admission.tiers[DOWNGRADE_TIER] = TierConfig(priority=0, e2e_ms=600_000, downgrade=True)
         args.admission.tenants[tenant_from_headers({"authorization": f"Bearer {LIMITED_KEY}"})] = TenantLimits(
             tier="batch", allowed_tiers=["batch"], requests_per_s=0.05, request_burst=2
+        )
+        args.admission.tenants[tenant_from_headers({"authorization": f"Bearer {ONE_SHOT_KEY}"})] = TenantLimits(
+            requests_per_s=0.001, request_burst=1
         )
 
     with running_service(serve_file, tweak=tighten) as base:

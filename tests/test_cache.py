@@ -29,7 +29,7 @@ def test_paraphrase_is_a_semantic_hit_replayed_as_a_stream(service):
     assert para.headers["x-cache-match"].startswith("semantic;score=")
     assert _text(para) == _text(first)
     timing = para.headers["server-timing"]
-    assert "embed;dur=" in timing and "cache_semantic;dur=" in timing
+    assert "lookup.embed;dur=" in timing and "lookup.cache_semantic;dur=" in timing
     # Streamed: the hit replays in several SSE chunks that join back to the answer.
     stream = client.chat.completions.create(
         model=TARGET, messages=[{"role": "user", "content": "Which city is the capital of France?"}],
