@@ -32,18 +32,20 @@ CONTEXT = (
 ) * 3
 
 
-def prompts(n: int) -> list[list[dict[str, str]]]:
+def prompts(n: int, tag: str = "") -> list[list[dict[str, str]]]:
+    """n distinct conversations (`tag` keeps another run's prompts apart: no cache hits)."""
     out = []
     for i in range(n):
-        q = QUESTIONS[i % len(QUESTIONS)]
+        q = f"{QUESTIONS[i % len(QUESTIONS)]} (#{tag}{i})"
         if i % 2:  # half with a longer system prompt: a realistic TTFT spread
-            out.append([{"role": "system", "content": CONTEXT}, {"role": "user", "content": f"{q} (#{i})"}])
+            out.append([{"role": "system", "content": CONTEXT}, {"role": "user", "content": q}])
         else:
-            out.append([{"role": "user", "content": f"{q} (#{i})"}])
+            out.append([{"role": "user", "content": q}])
     return out
 
 
-def _engine_direct(stage_config, conversations, max_tokens: int) -> dict:
+def engine_direct_samples(stage_config, conversations, max_tokens: int) -> tuple[list[float], list[float]]:
+    """(TTFT ms, ITL ms) of the engine called in this process: no Ray, no HTTP."""
     from engines.service import ModelService
     from engines.types import GenerateRequest, SamplingParams
     from ingress.prompts import PromptBuilder
@@ -69,10 +71,15 @@ def _engine_direct(stage_config, conversations, max_tokens: int) -> dict:
             await run_one(i, conv)
 
     asyncio.run(run_all())
-    return {"ttft_ms": summary(ttft), "itl_ms": summary(itl)}
+    service.executor.shutdown(wait=True)
+    return ttft, itl
 
 
-def _through_stack(base_url: str, model: str, conversations, max_tokens: int) -> dict:
+def stack_samples(
+    base_url: str, model: str, conversations, max_tokens: int, headers: dict[str, str] | None = None
+) -> tuple[list, list, dict[str, list]]:
+    """(TTFT ms, ITL ms, Server-Timing entries) through the whole graph, streamed with the openai
+    SDK over loopback: measured at the client."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0)
@@ -82,7 +89,7 @@ def _through_stack(base_url: str, model: str, conversations, max_tokens: int) ->
     for conv in tqdm(conversations, desc="through stack", unit="req"):
         start = time.perf_counter()
         raw = client.chat.completions.with_raw_response.create(
-            model=model, messages=conv, temperature=0, max_tokens=max_tokens, stream=True
+            model=model, messages=conv, temperature=0, max_tokens=max_tokens, stream=True, extra_headers=headers
         )
         for name, dur in server_timing(raw.headers.get("server-timing", "")).items():
             stages.setdefault(name, []).append(dur)
@@ -92,6 +99,16 @@ def _through_stack(base_url: str, model: str, conversations, max_tokens: int) ->
                 times.append(time.perf_counter())
         ttft.append((times[0] - start) * 1000)
         itl.extend((b - a) * 1000 for a, b in zip(times, times[1:]))
+    return ttft, itl, stages
+
+
+def _engine_direct(stage_config, conversations, max_tokens: int) -> dict:
+    ttft, itl = engine_direct_samples(stage_config, conversations, max_tokens)
+    return {"ttft_ms": summary(ttft), "itl_ms": summary(itl)}
+
+
+def _through_stack(base_url: str, model: str, conversations, max_tokens: int) -> dict:
+    ttft, itl, stages = stack_samples(base_url, model, conversations, max_tokens)
     return {
         "ttft_ms": summary(ttft),
         "itl_ms": summary(itl),
