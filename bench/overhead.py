@@ -1,73 +1,145 @@
 """Suite `overhead`: what the serving stack adds to TTFT and ITL, and what tracing costs.
 
 1. The engine called directly, in this process (no Ray, no HTTP): TTFT and ITL.
-2. The same prompts through serve_config.yaml's whole graph (tracing off, its default), streamed
-   with the openai SDK over loopback: TTFT and ITL at the client, and each request's
-   Server-Timing stages (p50 per stage: where the overhead goes).
-3. Throughput, closed loop (`clients` at once, fresh prompts), with tracing off, then with the
-   service restarted with tracing on at 100% sampling, exporting over OTLP/HTTP to a receiver
-   on loopback: `tracing_throughput_ratio` = on / off.
+2. The same prompts through serve_config.yaml's whole graph, streamed over loopback with a
+   lean HTTP client (httpx; the openai SDK's own parsing would be charged to the stack): TTFT
+   and ITL at the client, and each request's Server-Timing stages (p50 per stage: where the
+   overhead goes). Every prompt carries its own number, so the cache lookup runs and misses (the
+   semantic guards never match different numbers); `cache_outcomes` shows it. Then the same
+   prompts with `Cache-Control: no-cache`: the stack without the lookup's work.
+3. Tracing at 100% sampling (OTLP/HTTP to a receiver on loopback) against unsampled, on one
+   service, in alternating blocks so the box's drift hits both alike: closed-loop throughput of
+   generated requests (`tracing_throughput_ratio` = sampled / unsampled) and of cache hits (the
+   framework alone, where tracing weighs most). Unsampled still makes one non-recording root
+   span per request; `exporter: none` makes none, so the real "off" is a hair cheaper.
 
-Speculation is off on both sides of 1-2 (the engine is the same; this measures the framework,
-and speculative bursts would blur per-token latency); on in 3, as served. Every prompt is new,
-so the cache lookup runs and misses, as for most real traffic.
+Speculation is off in 1-2 on both sides (the engine is the same; this measures the framework,
+and speculative bursts would blur per-token latency) and on in 3, as served.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import secrets
 import time
 from pathlib import Path
 
+import httpx
 from tqdm import tqdm
 
-from bench.stack import engine_direct_samples, prompts, stack_samples
-from bench.stats import percentile, summary
+from bench.stack import CONTEXT, QUESTIONS, engine_direct_samples
+from bench.stats import percentile, server_timing, summary
 from configs.schemas import TracingConfig
 from configs.serve_config import load_serve_config
 
 NO_CACHE = {"cache-control": "no-cache, no-store"}
 
 
-async def _throughput(base_url: str, model: str, conversations, max_tokens: int, clients: int) -> float:
-    """Completed requests per second, `clients` streaming at once until the prompts run out."""
-    from openai import AsyncOpenAI
+def conversations(n: int, first: int) -> list[list[dict[str, str]]]:
+    """n different prompts, each with its own number (`first`..): never a semantic match."""
+    out = []
+    for i in range(n):
+        q = f"{QUESTIONS[i % len(QUESTIONS)]} Answer for case {first + i}."
+        turns = [{"role": "user", "content": q}]
+        out.append([{"role": "system", "content": CONTEXT}] + turns if i % 2 else turns)
+    return out
 
-    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0)
-    todo = list(conversations)
-    bar = tqdm(total=len(todo), desc=f"throughput, {clients} clients", unit="req")
 
-    async def worker() -> None:
+def _stack(base_url: str, model: str, convs, max_tokens: int, headers: dict | None = None) -> dict:
+    """TTFT and ITL at the client, Server-Timing entries and x-cache outcomes, one at a time."""
+    ttft: list[float] = []
+    itl: list[float] = []
+    stages: dict[str, list[float]] = {}
+    outcomes: dict[str, int] = {}
+    prompt_tokens: list[int] = []
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        for conv in tqdm(convs, desc="through the stack" + (" (no-cache)" if headers else ""), unit="req"):
+            body = {"model": model, "messages": conv, "temperature": 0, "max_tokens": max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            start = time.perf_counter()
+            times = []
+            with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+                resp.raise_for_status()
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        delta = event["choices"]
+                        if delta and delta[0]["delta"].get("content"):
+                            times.append(time.perf_counter())
+                        if event.get("usage"):
+                            prompt_tokens.append(event["usage"]["prompt_tokens"])
+            for name, dur in server_timing(resp.headers.get("server-timing", "")).items():
+                stages.setdefault(name, []).append(dur)
+            outcomes[resp.headers.get("x-cache", "?")] = outcomes.get(resp.headers.get("x-cache", "?"), 0) + 1
+            ttft.append((times[0] - start) * 1000)
+            itl.extend((b - a) * 1000 for a, b in zip(times, times[1:]))
+    return {"ttft": ttft, "itl": itl, "stages": stages, "outcomes": outcomes, "prompt_tokens": prompt_tokens}
+
+
+BUCKETS = [(0, 64, "<=64"), (65, 256, "65-256"), (257, 10**9, ">256")]
+
+
+def by_prompt_length(ttft: list[float], prompt_tokens: list[int]) -> dict[str, dict]:
+    """TTFT percentiles per prompt-length bucket (tokens)."""
+    out = {}
+    for lo, hi, label in BUCKETS:
+        values = [t for t, n in zip(ttft, prompt_tokens) if lo <= n <= hi]
+        if values:
+            out[label] = summary(values)
+    return out
+
+
+async def _closed_loop(base_url: str, bodies: list[dict], clients: int, sampled: bool) -> tuple[int, float]:
+    """(completed, seconds): `clients` requests at once until `bodies` run out. Each request
+    carries a fresh traceparent, sampled or not."""
+    todo = list(bodies)
+
+    async def worker(http: httpx.AsyncClient) -> None:
         while todo:
-            conv = todo.pop()
-            stream = await client.chat.completions.create(
-                model=model, messages=conv, temperature=0, max_tokens=max_tokens, stream=True
-            )
-            async for _ in stream:
-                pass
-            bar.update(1)
+            body = todo.pop()
+            flags = "01" if sampled else "00"
+            headers = {
+                "traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-{flags}",
+                "x-slo-tier": "batch",  # no TTFT target: a throughput run must not be shed for its own queue
+            }
+            async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+                resp.raise_for_status()
+                async for _ in resp.aiter_bytes():
+                    pass
 
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    elapsed = time.perf_counter() - start
-    bar.close()
-    await client.close()
-    return len(conversations) / elapsed
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(clients)))
+        return len(bodies), time.perf_counter() - start
 
 
-def _plot(engine: list[float], stack: list[float], path: Path) -> None:
+def _tracing_ratio(base_url: str, make_bodies, rounds: int, clients: int, label: str) -> dict:
+    """Sampled vs unsampled throughput in alternating blocks (off, on, on, off, ...)."""
+    done = {False: [0, 0.0], True: [0, 0.0]}
+    order = [s for r in range(rounds) for s in ((False, True) if r % 2 == 0 else (True, False))]
+    for block, sampled in enumerate(tqdm(order, desc=f"tracing cost, {label}", unit="block")):
+        n, seconds = asyncio.run(_closed_loop(base_url, make_bodies(block), clients, sampled))
+        done[sampled][0] += n
+        done[sampled][1] += seconds
+    off, on = done[False][0] / done[False][1], done[True][0] / done[True][1]
+    return {"unsampled_rps": round(off, 3), "sampled_rps": round(on, 3), "ratio": round(on / off, 3)}
+
+
+def _plot(engine: list[float], stack: list[float], bare: list[float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, values in (("engine called directly", engine), ("through the stack (client-side)", stack)):
+    for label, values in (("engine called directly", engine), ("full stack, cache lookup (miss)", stack),
+                          ("full stack, Cache-Control: no-cache", bare)):
         xs = sorted(values)
         ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
-    ax.set_xlabel("time to first token (ms)")
+    ax.set_xlabel("time to first token at the client (ms)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF: engine vs full stack")
+    ax.set_title("TTFT CDF: engine vs full stack (one run)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -77,42 +149,45 @@ def _plot(engine: list[float], stack: list[float], path: Path) -> None:
 
 def run(
     requests: int = 24, max_tokens: int = 24, quick: bool = False, out: str | None = None,
-    throughput_requests: int = 32, clients: int = 4,
+    rounds: int = 4, block: int = 8, clients: int = 4,
 ) -> dict:
     from bench.otlp_sink import OTLPSink
     from bench.service import running_service
 
     if quick:
-        requests, throughput_requests = min(requests, 6), min(throughput_requests, 8)
+        requests, rounds = min(requests, 6), 2
     serve_file = load_serve_config()
     model = serve_file.args.target.engine.model_id
     plain = serve_file.args.target.model_copy(deep=True)
     plain.speculative.method = "none"
+    measured = conversations(requests, first=1000)
+    warm = conversations(2, first=10)
+    engine_ttft, engine_itl = engine_direct_samples(plain, conversations(2, first=10) + measured, max_tokens)
+    engine_ttft = engine_ttft[2:]  # the first two warm the engine
 
-    def no_speculation(args) -> None:
-        args.target.speculative.method = "none"
-
-    conversations = prompts(requests, tag="m")
-    engine_ttft, engine_itl = engine_direct_samples(plain, prompts(2, tag="w") + conversations, max_tokens)
-    engine_ttft, engine_itl = engine_ttft[2:], engine_itl  # the first two warm the engine
-
-    with running_service(serve_file, tweak=no_speculation) as base:
-        stack_samples(base, model, prompts(2, tag="w"), 4)  # warm the path
-        stack_ttft, stack_itl, stages = stack_samples(base, model, conversations, max_tokens)
-        # The same prompts again with `Cache-Control: no-cache, no-store`: the framework alone
-        # (parse, admission, routing, the hops), without the cache lookup's own work.
-        bare_ttft, _, bare_stages = stack_samples(base, model, conversations, max_tokens, headers=NO_CACHE)
-    with running_service(serve_file) as base:
-        asyncio.run(_throughput(base, model, prompts(clients, tag="w"), 4, clients))
-        off = asyncio.run(_throughput(base, model, prompts(throughput_requests, tag="off"), max_tokens, clients))
     sink = OTLPSink(keep=False)
     try:
+        def tweak(args) -> None:
+            args.target.speculative.method = "none"
+
+        with running_service(serve_file, tweak=tweak) as base:
+            _stack(base, model, warm, 4)
+            stack = _stack(base, model, measured, max_tokens)
+            bare = _stack(base, model, conversations(requests, first=5000), max_tokens, headers=NO_CACHE)
+
         def traced(args) -> None:
             args.telemetry.tracing = TracingConfig(exporter="otlp", endpoint=sink.endpoint, sample_ratio=1.0)
 
         with running_service(serve_file, tweak=traced) as base:
-            asyncio.run(_throughput(base, model, prompts(clients, tag="w2"), 4, clients))
-            on = asyncio.run(_throughput(base, model, prompts(throughput_requests, tag="on"), max_tokens, clients))
+            def generated(i: int) -> list[dict]:
+                return [{"model": model, "messages": c, "temperature": 0, "max_tokens": max_tokens, "stream": True}
+                        for c in conversations(block, first=20_000 + i * block)]
+
+            hits = [{"model": model, "messages": c, "temperature": 0, "max_tokens": 8, "stream": True}
+                    for c in conversations(8, first=90_000)]
+            asyncio.run(_closed_loop(base, hits + generated(-1)[:clients], clients, True))  # warm; fills the cache
+            generation = _tracing_ratio(base, generated, rounds, clients, "generated")
+            cached = _tracing_ratio(base, lambda i: hits * 25, rounds, clients, "cache hits")
             time.sleep(3)  # the last batch of spans leaves
         exports = sink.requests
     finally:
@@ -120,29 +195,34 @@ def run(
 
     p50 = lambda values: round(percentile(values, 0.5), 2)  # noqa: E731
     result = {
-        "ttft_p50_ms_stack": p50(stack_ttft),
+        "ttft_p50_ms_stack": p50(stack["ttft"]),
         "ttft_p50_ms_engine": p50(engine_ttft),
-        "ttft_overhead_p50_ms": round(p50(stack_ttft) - p50(engine_ttft), 2),
-        "itl_p50_ms_stack": p50(stack_itl),
+        "ttft_overhead_p50_ms": round(p50(stack["ttft"]) - p50(engine_ttft), 2),
+        "itl_p50_ms_stack": p50(stack["itl"]),
         "itl_p50_ms_engine": p50(engine_itl),
-        "tracing_throughput_ratio": round(on / off, 3),
+        "tracing_throughput_ratio": generation["ratio"],
         # Server-Timing p50 per stage: stages add up to `total` (the server's time to the first
         # token); `x.y` entries are details inside stage x, not added.
-        "stages": {name: round(percentile(v, 0.5), 2) for name, v in stages.items()},
-        # Cache-Control: no-cache: what the stack costs without the cache lookup (L1/L2 hops, embedding).
-        "ttft_overhead_p50_ms_without_cache": round(p50(bare_ttft) - p50(engine_ttft), 2),
-        "stages_without_cache": {name: round(percentile(v, 0.5), 2) for name, v in bare_stages.items()},
+        "stages": {name: p50(v) for name, v in stack["stages"].items()},
+        "cache_outcomes": stack["outcomes"],
+        # Cache-Control: no-cache: the stack without the cache lookup (its hops and the embedding).
+        "ttft_overhead_p50_ms_without_cache": round(p50(bare["ttft"]) - p50(engine_ttft), 2),
+        "stages_without_cache": {name: p50(v) for name, v in bare["stages"].items()},
+        "itl_p50_ms_stack_without_cache": p50(bare["itl"]),
+        "ttft_ms": {"engine": summary(engine_ttft), "stack": summary(stack["ttft"]),
+                    "stack_without_cache": summary(bare["ttft"])},
+        "itl_ms": {"engine": summary(engine_itl), "stack": summary(stack["itl"])},
+        "ttft_ms_by_prompt_tokens": {"stack": by_prompt_length(stack["ttft"], stack["prompt_tokens"]),
+                                     "stack_without_cache": by_prompt_length(bare["ttft"], bare["prompt_tokens"])},
+        "tracing": {"generated": generation, "cache_hits": cached, "otlp_exports": exports},
         "config": {
             "model": model, "requests": requests, "max_tokens": max_tokens, "clients": clients,
-            "throughput_requests": throughput_requests, "cache": serve_file.args.cache.enabled,
+            "tracing_blocks": rounds * 2, "generated_per_block": block, "hits_per_block": 200,
             "overlap_cache_lookup": serve_file.args.ingress.overlap_cache_lookup,
         },
-        "ttft_ms": {"engine": summary(engine_ttft), "stack": summary(stack_ttft), "stack_without_cache": summary(bare_ttft)},
-        "itl_ms": {"engine": summary(engine_itl), "stack": summary(stack_itl)},
-        "throughput_rps": {"tracing_off": round(off, 3), "tracing_on": round(on, 3), "otlp_exports": exports},
     }
     if out:
         png = Path(out).with_suffix(".png")
-        _plot(engine_ttft, stack_ttft, png)
+        _plot(engine_ttft, stack["ttft"], bare["ttft"], png)
         result["plot"] = str(png)
     return result

@@ -20,6 +20,10 @@
 
 Every wait has a timeout derived from the request's deadline. The cache and the router
 degrade (miss / default route) instead of failing the request.
+
+Each step closes a stage on the request's StageClock (parse, tokenize, admit, lookup, route,
+queue, hop / engine_queue / prefill, decode, respond): the same intervals become the
+`Server-Timing` header, the stage-duration metric and, when tracing is on, the request's spans.
 """
 
 from __future__ import annotations
