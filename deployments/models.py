@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator
 
@@ -16,6 +17,8 @@ from engines.service import ModelService
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from telemetry.metrics import EngineMetrics
 from telemetry.tracing import ModelCallTrace, make_tracer
+
+log = logging.getLogger(__name__)
 
 
 class _ModelDeployment:
@@ -51,9 +54,12 @@ class _ModelDeployment:
                 yield chunk
         finally:
             done = last is not None and last.finish_reason is not None
-            self._record(last if done else None)
-            if traced is not None:
-                traced.finish(tokens, last.timings_ms if done else {}, last.finish_reason if done else "cancelled")
+            try:  # telemetry never fails a generation, nor its cancellation
+                self._record(last if done else None)
+                if traced is not None:
+                    traced.finish(tokens, last.timings_ms if done else {}, last.finish_reason if done else "cancelled")
+            except Exception as exc:
+                log.debug("telemetry failed: %r", exc)
 
     def _record(self, last: GenerateChunk | None) -> None:
         """Speculation and prefix-cache counters onto Ray's Prometheus endpoint."""
