@@ -26,6 +26,7 @@ SUITES = {
     "ttft": "bench.ttft",  # engine TTFT with the prefix KV cache off and on (shared system prompt, multi-turn)
     "chaos": "bench.chaos",  # load while one replica of each stage is killed: nothing admitted is lost
     "scaleup": "bench.scaleup",  # a TargetModel replica added under load: its first TTFT vs its steady TTFT
+    "affinity": "bench.affinity",  # two TargetModel replicas: prefix-aware routing vs power of two choices, multi-turn
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
 }
 

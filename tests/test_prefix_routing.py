@@ -1,0 +1,72 @@
+"""Prefix-aware routing across two TargetModel replicas: each conversation's turns land on the
+replica that holds its history, and reuse its prefix KV there."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from bench.stats import server_timing
+from tests.test_serving import NO_CACHE, TARGET
+
+OPENERS = [
+    "I am planning a long hiking trip through the mountains of northern Spain next summer with two friends.",
+    "My small bakery wants to start selling sourdough bread online, and I need to think about shipping and packaging.",
+    "I am learning to play the cello as an adult and practice for about thirty minutes every evening after work.",
+]
+FOLLOW_UPS = ["What should I think about first?", "Give me one more tip."]
+
+
+@pytest.fixture(scope="module")
+def two_replicas(service):
+    from ray import serve
+
+    from bench.service import quiet_logging
+    from deployments.app import build_graph
+
+    args = service.config.args.model_copy(deep=True)
+    args.cache.enabled = False  # every turn must reach a model replica
+    args.router.kind = "rules"
+    options = {name: dict(opts) for name, opts in service.config.deployment_options.items()}
+    options["TargetModel"]["num_replicas"] = 2
+    assert "PrefixAffinityRouter" in options["TargetModel"]["request_router_config"]["request_router_class"]
+    serve.run(build_graph(args, options, quiet_logging(service.config)), name="affinity", route_prefix="/affinity")
+    base = service.base_url + "/affinity"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    yield base
+    serve.delete("affinity")
+
+
+def test_each_conversation_stays_on_the_replica_holding_its_prefix(two_replicas):
+    conversations = [[{"role": "user", "content": opener}] for opener in OPENERS]
+    replicas: list[list[str]] = [[] for _ in OPENERS]
+    reused: list[list[float]] = [[] for _ in OPENERS]
+    with httpx.Client(base_url=two_replicas, timeout=120) as http:
+        for turn in range(1 + len(FOLLOW_UPS)):
+            for i, messages in enumerate(conversations):  # interleaved, as real traffic is
+                resp = http.post(
+                    "/v1/chat/completions",
+                    json={"model": TARGET, "messages": messages, "temperature": 0, "max_tokens": 12},
+                    headers=NO_CACHE,
+                )
+                assert resp.status_code == 200, resp.text
+                replicas[i].append(resp.headers["x-model-replica"])
+                timing = resp.headers["server-timing"]
+                reused[i].append(float(timing.split("prefix_reused_tokens;desc=")[1].split(",")[0]) if "prefix_reused_tokens" in timing else 0.0)
+                assert "prefill" in server_timing(timing)
+                messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+                if turn < len(FOLLOW_UPS):
+                    messages.append({"role": "user", "content": FOLLOW_UPS[turn]})
+    for i, seen in enumerate(replicas):
+        assert len(set(seen)) == 1, f"conversation {i} moved between replicas: {seen}"
+        # Each later turn reuses at least the earlier turns' prompt (whole 16-token blocks).
+        assert all(r >= 16 for r in reused[i][1:]), f"conversation {i}: prefix tokens reused per turn {reused[i]}"
