@@ -1,11 +1,15 @@
 """Suite `affinity`: prefix-aware replica routing vs Ray Serve's default (power of two choices).
 
-Two TargetModel replicas, the cache off (every turn reaches a model), speculation as served.
-`conversations` multi-turn chats share one system prompt (a hot prefix) and each has its own
-history; `workers` of them run at once, turn after turn, streamed over loopback. For each
-router: TTFT of the follow-up turns (where a history could be reused), the prompt tokens the
-replica reused (Server-Timing `prefix_reused_tokens`), and each replica's share of requests
-(a hot prefix must not pin everything to one replica).
+Two TargetModel replicas with one torch thread each (two cores), the cache off (every turn
+reaches a model), plain decoding (this measures prefill reuse). `conversations` multi-turn RAG
+chats, each opening with a document (three documents, so some conversations share one) and a
+question of its own, one request at a time (both replicas idle: with a queue on one of them,
+the default router's least-loaded pick keeps conversations in place by accident), streamed
+over loopback.
+For each router: TTFT of the follow-up turns (where the history could be reused), the prompt
+tokens the replica reused (Server-Timing `prefix_reused_tokens`), how many conversations moved
+between replicas, and each replica's share of requests. Hot-prefix spreading under load is
+covered by tests/test_prefix_affinity_units.py.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import time
 import httpx
 from tqdm import tqdm
 
-from bench.stack import CONTEXT, QUESTIONS
+from bench.stack import QUESTIONS
 from bench.stats import summary
+from bench.workloads import DOCS
 from configs.serve_config import load_serve_config
 
+MAX_TOKENS = 32
 FOLLOW_UPS = ["Can you say more about that?", "Give me one concrete example.", "Summarize it in one sentence."]
 
 
@@ -28,10 +34,11 @@ async def _conversations(base: str, model: str, n: int, workers: int, turns: int
     todo = list(range(n))
 
     async def one(http: httpx.AsyncClient, i: int) -> None:
-        messages = [{"role": "system", "content": CONTEXT},
-                    {"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (customer {i})"}]
+        question = QUESTIONS[i % len(QUESTIONS)]
+        messages = [{"role": "system", "content": "Answer from the context when you can."},
+                    {"role": "user", "content": f"Context:\n{DOCS[i % len(DOCS)]}\n\nTicket {i}: {question}"}]
         for turn in range(turns):
-            body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": 16, "stream": True}
+            body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": True}
             start = time.perf_counter()
             first, parts = None, []
             async with http.stream("POST", "/v1/chat/completions", json=body,
@@ -61,7 +68,7 @@ async def _conversations(base: str, model: str, n: int, workers: int, turns: int
 def run(quick: bool = False, requests: int | None = None, **_: object) -> dict:
     from bench.service import running_service
 
-    conversations, workers, turns = (4, 2, 3) if quick else (8, 4, 4)
+    conversations, workers, turns = (4, 1, 3) if quick else (8, 1, 4)
     serve_file = load_serve_config()
     model = serve_file.args.target.engine.model_id
     options = {name: dict(opts) for name, opts in serve_file.deployment_options.items()}
@@ -76,6 +83,8 @@ def run(quick: bool = False, requests: int | None = None, **_: object) -> dict:
         def tweak(args) -> None:
             args.cache.enabled = False
             args.router.kind = "rules"
+            args.target.speculative.method = "none"
+            args.target.engine.num_threads = 1  # two replicas, two cores
 
         with running_service(serve_file, tweak=tweak) as base:
             warm = tqdm(total=2, desc=f"{router}: warm-up", unit="req")
@@ -102,5 +111,5 @@ def run(quick: bool = False, requests: int | None = None, **_: object) -> dict:
         "followup_ttft_speedup_p50": round(a["followup_ttft_ms"]["p50"] / b["followup_ttft_ms"]["p50"], 3),
         "routers": results,
         "config": {"conversations": conversations, "concurrent": workers, "turns": turns, "replicas": 2,
-                   "max_tokens": 16, "system_prompt_shared": True},
+                   "max_tokens": MAX_TOKENS, "threads_per_replica": 1, "speculation": "none"},
     }
