@@ -149,7 +149,7 @@ def _plot(engine: list[float], stack: list[float], bare: list[float], path: Path
 
 def run(
     requests: int = 24, max_tokens: int = 24, quick: bool = False, out: str | None = None,
-    rounds: int = 4, block: int = 8, clients: int = 4,
+    rounds: int = 6, block: int = 8, clients: int = 4,
 ) -> dict:
     from bench.otlp_sink import OTLPSink
     from bench.service import running_service
