@@ -32,11 +32,10 @@ CONTEXT = (
 ) * 3
 
 
-def prompts(n: int, tag: str = "") -> list[list[dict[str, str]]]:
-    """n distinct conversations (`tag` keeps another run's prompts apart: no cache hits)."""
+def prompts(n: int) -> list[list[dict[str, str]]]:
     out = []
     for i in range(n):
-        q = f"{QUESTIONS[i % len(QUESTIONS)]} (#{tag}{i})"
+        q = f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"
         if i % 2:  # half with a longer system prompt: a realistic TTFT spread
             out.append([{"role": "system", "content": CONTEXT}, {"role": "user", "content": q}])
         else:
@@ -75,9 +74,7 @@ def engine_direct_samples(stage_config, conversations, max_tokens: int) -> tuple
     return ttft, itl
 
 
-def stack_samples(
-    base_url: str, model: str, conversations, max_tokens: int, headers: dict[str, str] | None = None
-) -> tuple[list, list, dict[str, list]]:
+def stack_samples(base_url: str, model: str, conversations, max_tokens: int) -> tuple[list, list, dict[str, list]]:
     """(TTFT ms, ITL ms, Server-Timing entries) through the whole graph, streamed with the openai
     SDK over loopback: measured at the client."""
     from openai import OpenAI
@@ -89,7 +86,7 @@ def stack_samples(
     for conv in tqdm(conversations, desc="through stack", unit="req"):
         start = time.perf_counter()
         raw = client.chat.completions.with_raw_response.create(
-            model=model, messages=conv, temperature=0, max_tokens=max_tokens, stream=True, extra_headers=headers
+            model=model, messages=conv, temperature=0, max_tokens=max_tokens, stream=True
         )
         for name, dur in server_timing(raw.headers.get("server-timing", "")).items():
             stages.setdefault(name, []).append(dur)
