@@ -21,7 +21,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.stack import QUESTIONS
-from bench.stats import summary
+from bench.stats import server_timing_count, summary
 from bench.workloads import DOCS
 from configs.serve_config import load_serve_config
 
@@ -49,7 +49,7 @@ async def _conversations(base: str, model: str, n: int, workers: int, turns: int
                         first = first or time.perf_counter()
                         parts.append(line.split('"content":"', 1)[1].split('"', 1)[0])
                 timing = resp.headers.get("server-timing", "")
-                reused = float(timing.split("prefix_reused_tokens;desc=")[1].split(",")[0]) if "prefix_reused" in timing else 0.0
+                reused = server_timing_count(timing, "prefix_reused_tokens")
                 records.append({"conversation": i, "turn": turn, "replica": resp.headers.get("x-model-replica", "?"),
                                 "ttft_ms": ((first or time.perf_counter()) - start) * 1000, "reused": reused})
             bar.update(1)

@@ -20,7 +20,6 @@ and speculative bursts would blur per-token latency) and on in 3, as served.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from pathlib import Path
@@ -28,53 +27,12 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from bench.stack import CONTEXT, QUESTIONS, engine_direct_samples
-from bench.stats import percentile, server_timing, summary
+from bench.stack import engine_direct_samples, prompts, stack_samples
+from bench.stats import percentile, summary
 from configs.schemas import TracingConfig
 from configs.serve_config import load_serve_config
 
 NO_CACHE = {"cache-control": "no-cache, no-store"}
-
-
-def conversations(n: int, first: int) -> list[list[dict[str, str]]]:
-    """n different prompts, each with its own number (`first`..): never a semantic match."""
-    out = []
-    for i in range(n):
-        q = f"{QUESTIONS[i % len(QUESTIONS)]} Answer for case {first + i}."
-        turns = [{"role": "user", "content": q}]
-        out.append([{"role": "system", "content": CONTEXT}] + turns if i % 2 else turns)
-    return out
-
-
-def _stack(base_url: str, model: str, convs, max_tokens: int, headers: dict | None = None) -> dict:
-    """TTFT and ITL at the client, Server-Timing entries and x-cache outcomes, one at a time."""
-    ttft: list[float] = []
-    itl: list[float] = []
-    stages: dict[str, list[float]] = {}
-    outcomes: dict[str, int] = {}
-    prompt_tokens: list[int] = []
-    with httpx.Client(base_url=base_url, timeout=120) as http:
-        for conv in tqdm(convs, desc="through the stack" + (" (no-cache)" if headers else ""), unit="req"):
-            body = {"model": model, "messages": conv, "temperature": 0, "max_tokens": max_tokens, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            start = time.perf_counter()
-            times = []
-            with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
-                resp.raise_for_status()
-                for line in resp.iter_lines():
-                    if line.startswith("data: {"):
-                        event = json.loads(line[6:])
-                        delta = event["choices"]
-                        if delta and delta[0]["delta"].get("content"):
-                            times.append(time.perf_counter())
-                        if event.get("usage"):
-                            prompt_tokens.append(event["usage"]["prompt_tokens"])
-            for name, dur in server_timing(resp.headers.get("server-timing", "")).items():
-                stages.setdefault(name, []).append(dur)
-            outcomes[resp.headers.get("x-cache", "?")] = outcomes.get(resp.headers.get("x-cache", "?"), 0) + 1
-            ttft.append((times[0] - start) * 1000)
-            itl.extend((b - a) * 1000 for a, b in zip(times, times[1:]))
-    return {"ttft": ttft, "itl": itl, "stages": stages, "outcomes": outcomes, "prompt_tokens": prompt_tokens}
 
 
 BUCKETS = [(0, 64, "<=64"), (65, 256, "65-256"), (257, 10**9, ">256")]
@@ -160,9 +118,9 @@ def run(
     model = serve_file.args.target.engine.model_id
     plain = serve_file.args.target.model_copy(deep=True)
     plain.speculative.method = "none"
-    measured = conversations(requests, first=1000)
-    warm = conversations(2, first=10)
-    engine_ttft, engine_itl = engine_direct_samples(plain, conversations(2, first=10) + measured, max_tokens)
+    measured = prompts(requests, first=1000)
+    warm = prompts(2, first=10)
+    engine_ttft, engine_itl = engine_direct_samples(plain, prompts(2, first=10) + measured, max_tokens)
     engine_ttft = engine_ttft[2:]  # the first two warm the engine
 
     sink = OTLPSink(keep=False)
@@ -171,9 +129,9 @@ def run(
             args.target.speculative.method = "none"
 
         with running_service(serve_file, tweak=tweak) as base:
-            _stack(base, model, warm, 4)
-            stack = _stack(base, model, measured, max_tokens)
-            bare = _stack(base, model, conversations(requests, first=5000), max_tokens, headers=NO_CACHE)
+            stack_samples(base, model, warm, 4)
+            stack = stack_samples(base, model, measured, max_tokens)
+            bare = stack_samples(base, model, prompts(requests, first=5000), max_tokens, headers=NO_CACHE)
 
         def traced(args) -> None:
             args.telemetry.tracing = TracingConfig(exporter="otlp", endpoint=sink.endpoint, sample_ratio=1.0)
@@ -181,10 +139,10 @@ def run(
         with running_service(serve_file, tweak=traced) as base:
             def generated(i: int) -> list[dict]:
                 return [{"model": model, "messages": c, "temperature": 0, "max_tokens": max_tokens, "stream": True}
-                        for c in conversations(block, first=20_000 + i * block)]
+                        for c in prompts(block, first=20_000 + i * block)]
 
             hits = [{"model": model, "messages": c, "temperature": 0, "max_tokens": 8, "stream": True}
-                    for c in conversations(8, first=90_000)]
+                    for c in prompts(8, first=90_000)]
             asyncio.run(_closed_loop(base, hits + generated(-1)[:clients], clients, True))  # warm; fills the cache
             generation = _tracing_ratio(base, generated, rounds, clients, "generated")
             cached = _tracing_ratio(base, lambda i: hits * 25, rounds, clients, "cache hits")

@@ -2,15 +2,18 @@
 Speculation is off on both sides here: this suite measures the framework, not decoding.
 
 Both sides decode the same prompts greedily with the same engine config. The engine side runs
-in this process (no Ray, no HTTP); the stack side goes through serve_config.yaml's graph with
-the openai SDK streaming over loopback, so TTFT and ITL are measured at the client.
+in this process (no Ray, no HTTP); the stack side goes through serve_config.yaml's graph,
+streamed over loopback with a lean httpx client, so TTFT and ITL are measured at the client.
+Every prompt carries its own number, so the cache lookup runs and misses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import httpx
 from tqdm import tqdm
 
 from bench.stats import server_timing, summary
@@ -32,10 +35,12 @@ CONTEXT = (
 ) * 3
 
 
-def prompts(n: int) -> list[list[dict[str, str]]]:
+def prompts(n: int, first: int = 0) -> list[list[dict[str, str]]]:
+    """n different prompts, each with its own number (`first`..): the semantic cache's number
+    guard never matches two of them, so through the stack every one is a miss."""
     out = []
     for i in range(n):
-        q = f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"
+        q = f"{QUESTIONS[i % len(QUESTIONS)]} Answer for case {first + i}."
         if i % 2:  # half with a longer system prompt: a realistic TTFT spread
             out.append([{"role": "system", "content": CONTEXT}, {"role": "user", "content": q}])
         else:
@@ -74,29 +79,37 @@ def engine_direct_samples(stage_config, conversations, max_tokens: int) -> tuple
     return ttft, itl
 
 
-def stack_samples(base_url: str, model: str, conversations, max_tokens: int) -> tuple[list, list, dict[str, list]]:
-    """(TTFT ms, ITL ms, Server-Timing entries) through the whole graph, streamed with the openai
-    SDK over loopback: measured at the client."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0)
+def stack_samples(base_url: str, model: str, convs, max_tokens: int, headers: dict | None = None) -> dict:
+    """Through the whole graph, one request at a time, streamed over loopback with a lean HTTP
+    client (the openai SDK's own parsing would be charged to the stack): TTFT and ITL at the
+    client, Server-Timing entries, x-cache outcomes and prompt tokens."""
     ttft: list[float] = []
     itl: list[float] = []
     stages: dict[str, list[float]] = {}
-    for conv in tqdm(conversations, desc="through stack", unit="req"):
-        start = time.perf_counter()
-        raw = client.chat.completions.with_raw_response.create(
-            model=model, messages=conv, temperature=0, max_tokens=max_tokens, stream=True
-        )
-        for name, dur in server_timing(raw.headers.get("server-timing", "")).items():
-            stages.setdefault(name, []).append(dur)
-        times = []
-        for chunk in raw.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                times.append(time.perf_counter())
-        ttft.append((times[0] - start) * 1000)
-        itl.extend((b - a) * 1000 for a, b in zip(times, times[1:]))
-    return ttft, itl, stages
+    outcomes: dict[str, int] = {}
+    prompt_tokens: list[int] = []
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        for conv in tqdm(convs, desc="through the stack" + (" (no-cache)" if headers else ""), unit="req"):
+            body = {"model": model, "messages": conv, "temperature": 0, "max_tokens": max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            start = time.perf_counter()
+            times = []
+            with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+                resp.raise_for_status()
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        delta = event["choices"]
+                        if delta and delta[0]["delta"].get("content"):
+                            times.append(time.perf_counter())
+                        if event.get("usage"):
+                            prompt_tokens.append(event["usage"]["prompt_tokens"])
+            for name, dur in server_timing(resp.headers.get("server-timing", "")).items():
+                stages.setdefault(name, []).append(dur)
+            outcomes[resp.headers.get("x-cache", "?")] = outcomes.get(resp.headers.get("x-cache", "?"), 0) + 1
+            ttft.append((times[0] - start) * 1000)
+            itl.extend((b - a) * 1000 for a, b in zip(times, times[1:]))
+    return {"ttft": ttft, "itl": itl, "stages": stages, "outcomes": outcomes, "prompt_tokens": prompt_tokens}
 
 
 def _engine_direct(stage_config, conversations, max_tokens: int) -> dict:
@@ -105,11 +118,12 @@ def _engine_direct(stage_config, conversations, max_tokens: int) -> dict:
 
 
 def _through_stack(base_url: str, model: str, conversations, max_tokens: int) -> dict:
-    ttft, itl, stages = stack_samples(base_url, model, conversations, max_tokens)
+    samples = stack_samples(base_url, model, conversations, max_tokens)
     return {
-        "ttft_ms": summary(ttft),
-        "itl_ms": summary(itl),
-        "server_timing_ms": {k: summary(v) for k, v in stages.items()},
+        "ttft_ms": summary(samples["ttft"]),
+        "itl_ms": summary(samples["itl"]),
+        "server_timing_ms": {k: summary(v) for k, v in samples["stages"].items()},
+        "cache_outcomes": samples["outcomes"],
     }
 
 
@@ -129,7 +143,7 @@ def run(requests: int = 16, max_tokens: int = 32, hop_requests: int = 300, quick
     # Warm-up conversation first on both sides, then the measured ones.
     direct = _engine_direct(serve_file.args.target, conversations, max_tokens)
     with running_service(serve_file) as base:
-        _through_stack(base, target.model_id, prompts(2), 4)  # warm the path
+        _through_stack(base, target.model_id, prompts(2, first=10_000), 4)  # warm the path
         stack = _through_stack(base, target.model_id, conversations, max_tokens)
         hops = measure_hops(hop_requests)
     overhead = {

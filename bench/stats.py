@@ -24,6 +24,14 @@ def server_timing(header: str) -> dict[str, float]:
     return out
 
 
+def server_timing_count(header: str, name: str) -> float:
+    """A count carried as `name;desc=N` (not a duration, so `server_timing` leaves it out); 0 if absent."""
+    for part in header.split(","):
+        if part.strip().startswith(f"{name};desc="):
+            return float(part.strip().split(";desc=", 1)[1])
+    return 0.0
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {
         "n": len(values),

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from bench.stats import server_timing
+from bench.stats import server_timing, server_timing_count
 from tests.test_serving import NO_CACHE, TARGET
 
 OPENERS = [
@@ -61,7 +61,7 @@ def test_each_conversation_stays_on_the_replica_holding_its_prefix(two_replicas)
                 assert resp.status_code == 200, resp.text
                 replicas[i].append(resp.headers["x-model-replica"])
                 timing = resp.headers["server-timing"]
-                reused[i].append(float(timing.split("prefix_reused_tokens;desc=")[1].split(",")[0]) if "prefix_reused_tokens" in timing else 0.0)
+                reused[i].append(server_timing_count(timing, "prefix_reused_tokens"))
                 assert "prefill" in server_timing(timing)
                 messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
                 if turn < len(FOLLOW_UPS):
