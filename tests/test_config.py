@@ -115,3 +115,19 @@ def test_served_model_ids_must_exist():
         AppArgs.model_validate(raw)
     raw["ingress"]["served_model_ids"] = ["auto"]
     AppArgs.model_validate(raw)
+
+
+def test_the_model_request_router_is_importable_and_its_kwargs_fit():
+    """Ray builds the request router inside each caller's handle: a typo in the YAML would only
+    surface at the first routed request, so it is checked here."""
+    import importlib
+    import inspect
+
+    sf = load_serve_config()
+    router = sf.deployment_options["TargetModel"]["request_router_config"]
+    module, _, name = router["request_router_class"].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    inspect.signature(cls.initialize_state).bind(None, **router["request_router_kwargs"])
+    assert router["request_router_kwargs"]["block_size"] == sf.args.target.engine.prefix_cache.block_size, (
+        "the router's blocks must be the prefix cache's blocks"
+    )
