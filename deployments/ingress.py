@@ -18,7 +18,6 @@ from ingress.pipeline import ModelStream, Pipeline
 from ingress.prompts import PromptBuilder
 from router.base import RouteDecision, RouteFeatures
 from semantic_cache.cache import CacheEntry, Lookup
-from semantic_cache.exact import CachedResponse
 from telemetry.metrics import RequestMetrics
 from telemetry.tracing import make_tracer
 
@@ -39,11 +38,8 @@ class HandleBackends:
         self._models = {model_id: h.options(stream=True) for model_id, h in models.items()}
         self._pending: set[asyncio.Task] = set()
 
-    async def cache_lookup(self, key: str) -> CachedResponse | None:
-        return await self._cache.lookup_exact.remote(key)
-
-    async def cache_similar(self, scope: str, vector, query: str) -> Lookup:
-        return await self._cache.lookup_similar.remote(scope, vector, query)
+    async def cache_lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
+        return await self._cache.lookup.remote(key, scope, query)
 
     async def cache_invalidate(self, tenant: str) -> int:
         return await self._cache.invalidate.remote(tenant)
@@ -105,9 +101,10 @@ class Ingress:
             write_timeout_s=config.ingress.stage_timeout_s,
         )
         embedder = None
-        if (config.cache.enabled and config.cache.semantic.enabled) or config.router.kind == "classifier":
-            # One MiniLM per ingress replica: the request's embedding is made here, once, and
-            # shared by the cache lookup and the router. Loaded off the event loop.
+        if config.router.kind == "classifier":
+            # The classifier routes on the request's MiniLM embedding. A cache lookup brings it
+            # back from the SemanticCache replica; this one makes it for requests that skip the
+            # cache (no-cache, sampled). Loaded off the event loop.
             from semantic_cache.embedder import Embedder
 
             embedder = await asyncio.get_running_loop().run_in_executor(None, Embedder)

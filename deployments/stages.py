@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import numpy as np
 from ray import serve
 
 from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
@@ -14,7 +13,6 @@ from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
 from semantic_cache.cache import CacheEntry, Lookup, ResponseCache
 from semantic_cache.embedder import DIMENSIONS
-from semantic_cache.exact import CachedResponse
 from semantic_cache.store import make_store
 from telemetry.metrics import ControllerMetrics
 
@@ -53,20 +51,26 @@ class AdmissionController:
 
 @serve.deployment(name="SemanticCache")
 class SemanticCache:
-    """Exact + semantic response cache. Embeddings come from the ingress (computed once there)."""
+    """Exact + semantic response cache. A lookup is one call: the exact match, then (on a miss)
+    the MiniLM embedding, made here, and the Qdrant search. The vector goes back to the ingress,
+    which shares it with the router and sends it with the write: computed once per request."""
 
     async def __init__(self, args: dict) -> None:
         config = CacheConfig.model_validate(args)
-        store = make_store(config.semantic.store, DIMENSIONS) if config.semantic.enabled else None
+        self.embedder = None
+        if config.semantic.enabled:
+            from semantic_cache.embedder import Embedder
+
+            self.embedder = await asyncio.get_running_loop().run_in_executor(None, Embedder)  # off the loop
+        store = make_store(config.semantic.store, self.embedder.dimensions if self.embedder else DIMENSIONS) \
+            if config.semantic.enabled else None
         self.cache = ResponseCache(config, store)
         self._indexing: asyncio.Future | None = None
         self._purge_task = asyncio.create_task(self._purge_forever(min(60.0, config.ttl_s / 4)))
 
-    async def lookup_exact(self, key: str) -> CachedResponse | None:
-        return self.cache.lookup_exact(key)
-
-    async def lookup_similar(self, scope: str, vector: np.ndarray, query: str) -> Lookup:
-        return self.cache.lookup_similar(scope, vector, query)
+    async def lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
+        embed = self.embedder.embed_async if self.embedder is not None else None
+        return await self.cache.lookup(key, scope, query, embed)
 
     async def store(self, entry: CacheEntry) -> None:
         self.cache.put(entry)

@@ -1,7 +1,9 @@
 """The response cache: exact match first, then a scoped semantic match that must pass guards.
 
-    lookup_exact(key)                      -> hash lookup, microseconds; no embedding needed
-    lookup_similar(scope, vector, query)   -> nearest entries in the scope, then:
+    lookup(key, scope, query, embed)       -> the whole lookup in one call (one hop from the ingress):
+      lookup_exact(key)                    -> hash lookup, microseconds; no embedding needed
+      embed(query)                         -> only on an exact miss; the vector comes back too
+      lookup_similar(scope, vector, query) -> nearest entries in the scope, then:
         score >= threshold and guards pass -> "hit"  (served)
         score >= hint_threshold            -> "hint" (the answer becomes a speculative draft)
         else                               -> "miss"
@@ -10,7 +12,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -30,6 +33,8 @@ class Lookup:
     score: float | None = None
     reason: str = ""  # "exact", "semantic", "below_threshold", or the guard that refused
     query: str | None = None  # the cached question that matched
+    vector: np.ndarray | None = None  # the request's embedding, when the lookup made one (router, write)
+    timings_ms: dict[str, float] = field(default_factory=dict)  # cache_exact / embed / cache_semantic
 
 
 @dataclass(slots=True)
@@ -51,6 +56,27 @@ class ResponseCache:
         self.exact = ExactCache(config, clock=clock)
         self.counts = {"exact_hits": 0, "semantic_hits": 0, "hints": 0, "misses": 0, "guard_refusals": 0, "writes": 0}
         self._writes_since_index = 0
+
+    async def lookup(
+        self, key: str, scope: str | None, query: str | None, embed: Callable[[str], Awaitable[np.ndarray]] | None
+    ) -> Lookup:
+        """Exact, then (on a miss, with a scope) embed the query and search that scope. One call,
+        so a lookup that reaches the semantic layer costs the ingress one hop, not two."""
+        t0 = time.perf_counter()
+        hit = self.lookup_exact(key)
+        t1 = time.perf_counter()
+        timings = {"cache_exact": (t1 - t0) * 1000}
+        if hit is not None:
+            return Lookup("hit", hit, 1.0, "exact", timings_ms=timings)
+        if scope is None or query is None or embed is None or self.store is None:
+            self.counts["misses"] += 1
+            return Lookup("miss", reason="no_semantic", timings_ms=timings)
+        vector = await embed(query)
+        t2 = time.perf_counter()
+        found = self.lookup_similar(scope, vector, query)
+        found.vector = vector
+        found.timings_ms = {**timings, "embed": (t2 - t1) * 1000, "cache_semantic": (time.perf_counter() - t2) * 1000}
+        return found
 
     def lookup_exact(self, key: str) -> CachedResponse | None:
         hit = self.exact.get(key)

@@ -56,6 +56,16 @@ class StageClock:
         self.details.append((name, start, end))
         return end
 
+    def details_within(self, start: float, end: float, parts: list[tuple[str, float]]) -> None:
+        """Details measured elsewhere (ms, e.g. inside the cache replica), laid back to back in
+        the middle of the call [start, end] that contained them: the rest is the hop out and back."""
+        total = sum(max(0.0, ms) for _, ms in parts) / 1000
+        t = start + max(0.0, (end - start) - total) / 2
+        for name, ms in parts:
+            dur = max(0.0, ms) / 1000
+            self.details.append((name, t, t + dur))
+            t += dur
+
     def ms(self, name: str) -> float | None:
         """A stage's (summed) or a detail's duration in ms, or None if it never ran."""
         found = [e - s for n, s, e in self.stages if n == name] or [e - s for n, s, e in self.details if n == name]

@@ -191,11 +191,14 @@ def test_replayed_hits_are_chunked_and_join_back_exactly():
 
 
 def test_single_embedding_fast_path_matches_batched_encode(embedder):
+    """The lean one-text forward (lean_bert.py) is in use and gives sentence-transformers' vector."""
     import numpy as np
 
-    texts = ["How do I reverse a list in Python?", "What is the capital of France?", "ok"]
+    assert embedder.lean is not None, "MiniLM should take the lean forward pass"
+    texts = ["How do I reverse a list in Python?", "What is the capital of France?", "ok", "word " * 400]
     batched = embedder.embed_many(texts)
     for text, expected in zip(texts, batched):
         one = embedder.embed(text)
         assert one.dtype == np.float32 and abs(float(np.linalg.norm(one)) - 1) < 1e-5
-        assert np.allclose(one, expected, atol=1e-5)
+        assert np.allclose(one, expected, atol=1e-5), text[:40]
+        assert np.allclose(embedder.embed_modules(text), expected, atol=1e-5)

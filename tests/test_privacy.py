@@ -55,10 +55,7 @@ class _FailingStream:
 
 
 class _FailingBackends:
-    async def cache_lookup(self, key):
-        raise ValueError(f"cache rejected {CANARY_PROMPT}")
-
-    async def cache_similar(self, scope, vector, query):
+    async def cache_lookup(self, key, scope, query):
         raise ValueError(f"qdrant rejected {CANARY_PROMPT}")
 
     def cache_store(self, entry) -> None:

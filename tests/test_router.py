@@ -105,7 +105,8 @@ def test_load_tracker_shifts_toward_the_idle_stage(monkeypatch):
 
 
 def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokenizer, embedder):
-    """The router waits for the exact-match phase, then shares the cache's embedding."""
+    """The router waits for the cache lookup and routes on the embedding it brought back; a
+    request that skips the cache has its embedding made in the ingress, once."""
     from ingress.context import context_from_headers
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
@@ -119,18 +120,17 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
             self.texts.append(text)
             return await embedder.embed_async(text)
 
-    class Backends:
-        async def cache_lookup(self, key):
-            await asyncio.sleep(0.01)
-            return None
+    counting = Counting()
 
-        async def cache_similar(self, scope, vector, query):
-            return Lookup("miss")
+    class Backends:  # the SemanticCache replica: an exact miss, then it embeds and searches
+        async def cache_lookup(self, key, scope, query):
+            await asyncio.sleep(0.01)
+            vector = await counting.embed_async(query)
+            return Lookup("miss", vector=vector, timings_ms={"cache_exact": 0.01, "embed": 8.0, "cache_semantic": 1.0})
 
     args = serve_file.args
     builder = PromptBuilder(tokenizer)
     prompts = {args.target.engine.model_id: builder, args.draft.engine.model_id: builder, "auto": builder}
-    counting = Counting()
     pipeline = Pipeline(args, Backends(), prompts, counting)  # type: ignore[arg-type]
 
     async def both(question: str, headers: dict) -> tuple:
@@ -138,7 +138,7 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
         p = pipeline._prepare("chat", body, context_from_headers(headers))
         pipeline._tokenize(p)
         if p.cache_key is None or p.ctx.no_cache:
-            p.exact_done.set()
+            p.lookup_done.set()
             return None, await pipeline._route(p), p
         found, decision = await asyncio.gather(pipeline._lookup(p), pipeline._route(p))
         return found, decision, p

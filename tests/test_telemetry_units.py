@@ -38,6 +38,18 @@ def test_stages_add_up_and_details_do_not():
     assert "total" in parsed  # measured at rendering (the stage times here are synthetic)
 
 
+def test_details_measured_inside_a_call_sit_in_its_middle():
+    """The cache replica's exact check, embedding and search, inside the 20 ms lookup hop."""
+    clock = StageClock()
+    t = clock.start
+    clock.details_within(t, t + 0.020, [("lookup.cache_exact", 0.0), ("lookup.embed", 8.0), ("lookup.cache_semantic", 2.0)])
+    (_, s0, e0), (_, s1, e1), (_, s2, e2) = clock.details
+    assert round((s0 - t) * 1000, 6) == 5.0 and s1 == e0 and s2 == e1
+    assert round((e1 - s1) * 1000, 6) == 8.0 and round((t + 0.020 - e2) * 1000, 6) == 5.0
+    parsed = server_timing(clock.server_timing())
+    assert parsed["lookup.embed"] == 8.0 and parsed["lookup.cache_semantic"] == 2.0
+
+
 def test_parts_reported_longer_than_the_interval_are_clamped():
     clock = StageClock()
     clock.stage_parts([("engine_queue", 5.0), ("prefill", 500.0)], "hop", clock.start + 0.1)
