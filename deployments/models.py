@@ -51,6 +51,8 @@ class _ModelDeployment:
                         traced.first_chunk(chunk.timings_ms)
                 tokens += chunk.num_tokens
                 last = chunk
+                if traced is not None and chunk.finish_reason is not None:
+                    traced.last_chunk()  # decode ends here, not when the generator is next resumed
                 yield chunk
         finally:
             done = last is not None and last.finish_reason is not None

@@ -137,6 +137,7 @@ class ModelCallTrace:
         self.model_id = model_id
         self.called_ns = time.time_ns()
         self.first_ns: int | None = None
+        self.last_ns: int | None = None
         self.queue_ms = self.prefill_ms = 0.0
 
     def first_chunk(self, timings_ms: Mapping[str, float]) -> None:
@@ -144,8 +145,13 @@ class ModelCallTrace:
         self.queue_ms = timings_ms.get("engine_queue", 0.0)
         self.prefill_ms = timings_ms.get("prefill", 0.0)
 
+    def last_chunk(self) -> None:
+        """The final chunk is made. The generator resumes after the caller already has it (and
+        may have ended its own spans), so the decode span ends here."""
+        self.last_ns = time.time_ns()
+
     def finish(self, tokens: int, timings_ms: Mapping[str, float], outcome: str) -> None:
-        end = time.time_ns()
+        end = self.last_ns or time.time_ns()
         t = self.called_ns
         spans = [("engine.queue", t, t + int(self.queue_ms * 1e6), {})]
         t += int(self.queue_ms * 1e6)

@@ -66,14 +66,16 @@ def test_every_metric_is_on_the_prometheus_endpoint_after_one_request(service):
         url, text = _metrics_text()
         present = set(re.findall(r"^(ray_latency_serve_\w+?)(?:_bucket|_count|_sum)?\{", text, re.M))
         missing = wanted - present
-        if not missing:
+        # The replica gauge is read every 5 s from serve.status(): its first reading may predate
+        # the TargetModel replica being RUNNING, so wait for the current one too.
+        replicas = re.search(r'^ray_latency_serve_replicas\{[^}]*deployment="TargetModel"[^}]*\} 1', text, re.M)
+        if not missing and replicas:
             break
-        assert time.monotonic() < deadline, f"not on {url} after one request: {sorted(missing)}"
+        assert time.monotonic() < deadline, f"not on {url} after one request: {sorted(missing)}, replicas: {bool(replicas)}"
         time.sleep(2)
     assert re.search(r'^ray_latency_serve_requests_shed_total\{[^}]*reason="rate_limit_requests"', text, re.M)
     assert re.search(r'^ray_latency_serve_requests_total\{[^}]*status="429"', text, re.M)
     assert re.search(r'^ray_latency_serve_time_to_first_token_seconds_count\{[^}]*model_name="%s"' % TARGET, text, re.M)
-    assert re.search(r'^ray_latency_serve_replicas\{[^}]*deployment="TargetModel"[^}]*\} 1', text, re.M)
 
 
 def _wait_for_spans(sink, trace_id: str, names: set[str], timeout_s: float = 30) -> list:
