@@ -12,7 +12,6 @@ from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
 from semantic_cache.cache import CacheEntry, Lookup, ResponseCache
-from semantic_cache.embedder import DIMENSIONS
 from semantic_cache.store import make_store
 from telemetry.metrics import ControllerMetrics
 
@@ -58,12 +57,12 @@ class SemanticCache:
     async def __init__(self, args: dict) -> None:
         config = CacheConfig.model_validate(args)
         self.embedder = None
+        store = None
         if config.semantic.enabled:
             from semantic_cache.embedder import Embedder
 
             self.embedder = await asyncio.get_running_loop().run_in_executor(None, Embedder)  # off the loop
-        store = make_store(config.semantic.store, self.embedder.dimensions if self.embedder else DIMENSIONS) \
-            if config.semantic.enabled else None
+            store = make_store(config.semantic.store, self.embedder.dimensions)
         self.cache = ResponseCache(config, store)
         self._indexing: asyncio.Future | None = None
         self._purge_task = asyncio.create_task(self._purge_forever(min(60.0, config.ttl_s / 4)))

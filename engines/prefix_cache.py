@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engines.blocks import block_keys
+
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [1, heads, tokens, head_dim]
 
 
@@ -34,12 +36,7 @@ class PrefixCache:
 
     def _keys(self, token_ids: Sequence[int], limit: int) -> list[tuple[int, tuple[int, ...]]]:
         """(chain key, tokens) of the full blocks within the first `limit` tokens."""
-        keys, parent = [], 0
-        for start in range(0, limit - self.block_size + 1, self.block_size):
-            tokens = tuple(token_ids[start : start + self.block_size])
-            parent = hash((parent, tokens))
-            keys.append((parent, tokens))
-        return keys
+        return block_keys(token_ids, self.block_size, limit)
 
     def match(self, token_ids: Sequence[int]) -> tuple[int, list[LayerKV]]:
         """The longest cached prefix: (tokens reused, KV per layer). At least one prompt token

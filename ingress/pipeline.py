@@ -104,8 +104,7 @@ class Prepared:
     tier: TierConfig
     mode: Mode
     prompt_ids: list[int] = field(default_factory=list)  # filled by _tokenize
-    vector: Any = None  # the request's embedding, once computed (shared by cache and router)
-    vector_task: asyncio.Future | None = None  # computing it here (the cache lookup did not)
+    vector: Any = None  # the request's embedding (from the cache lookup, or made here): router and write
     lookup_done: asyncio.Event = field(default_factory=asyncio.Event)  # the cache lookup is over (or skipped)
     coalesced: bool = False  # follows an identical generation already in flight
     retried: bool = False  # a model replica died under this request and it was sent again
@@ -158,7 +157,7 @@ class Pipeline:
     ) -> None:
         self.args = args
         self.backends = backends
-        self.embedder = embedder  # shared by the semantic cache and the classifier router
+        self.embedder = embedder  # the classifier's, for requests that skip the cache (the lookup brings one)
         self.flights = Flights()
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
@@ -671,21 +670,13 @@ class Pipeline:
             self.near_cache.put(p.cache_key, p.ctx.tenant, response)
 
     async def _embed(self, p: Prepared) -> Any:
-        """The request's embedding: the cache lookup's, or computed here once (cache skipped)."""
-        if p.vector is not None:
-            return p.vector
-        if self.embedder is None:
-            return None
-        if p.vector_task is None:
-            p.vector_task = asyncio.ensure_future(self._compute_embedding(p))
-        # Shielded: a caller giving up (a cancelled route) must not cancel it for the other.
-        return await asyncio.shield(p.vector_task)
-
-    async def _compute_embedding(self, p: Prepared) -> Any:
-        t = time.perf_counter()
-        text = p.query if p.query is not None else p.features.last_user_message
-        p.vector = await self.embedder.embed_async(text)  # type: ignore[union-attr]
-        p.clock.detail("lookup.embed", t)
+        """The request's embedding: the one the cache lookup brought back, else computed here
+        (the cache was skipped), else None (no embedder in this ingress)."""
+        if p.vector is None and self.embedder is not None:
+            t = time.perf_counter()
+            text = p.query if p.query is not None else p.features.last_user_message
+            p.vector = await self.embedder.embed_async(text)
+            p.clock.detail("lookup.embed", t)
         return p.vector
 
     async def _route(self, p: Prepared) -> RouteDecision:

@@ -1,7 +1,7 @@
 """Which model replica should a prompt go to, so that its prefix KV is already there.
 
 The engine's prefix cache (engines/prefix_cache.py) keys KV blocks of `block_size` tokens by a
-hash chain. This keeps the same chain here, remembering for each block which replica was last
+hash chain (engines/blocks.py). This uses the same chain, remembering for each block which replica was last
 sent a prompt containing it. A new prompt goes to the replica holding its longest known prefix
 (a conversation's next turn, a shared system prompt), unless that replica is busier than the
 least-loaded one by more than `imbalance`: then load wins, so a hot prefix can't pin all
@@ -14,24 +14,16 @@ microseconds per request, and is bounded by `max_blocks` (LRU).
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-_ROOT = b"prefix-affinity"
+from engines.blocks import block_keys
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_prefix_blocks: int) -> list[bytes]:
-    """Chained hashes of the prompt's whole leading blocks: block i's hash covers blocks 0..i."""
-    out = []
-    parent = _ROOT
-    whole = min(len(token_ids) // block_size, max_prefix_blocks)
-    for i in range(whole):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        parent = hashlib.blake2b(parent + b"," + ",".join(map(str, block)).encode(), digest_size=12).digest()
-        out.append(parent)
-    return out
+def block_hashes(token_ids: Sequence[int], block_size: int, max_prefix_blocks: int) -> list[int]:
+    """Chained keys of the prompt's whole leading blocks: block i's key covers blocks 0..i."""
+    return [key for key, _ in block_keys(token_ids, block_size, block_size * max_prefix_blocks)]
 
 
 class PrefixAffinity:
@@ -42,13 +34,13 @@ class PrefixAffinity:
         self.imbalance = imbalance
         self.max_blocks = max_blocks
         self.max_prefix_blocks = max_prefix_blocks
-        self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> replica last sent it
+        self._owner: OrderedDict[int, str] = OrderedDict()  # block hash -> replica last sent it
         self.routed = {"affinity": 0, "balanced": 0, "new": 0}  # why requests went where they went
 
-    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
         return block_hashes(token_ids, self.block_size, self.max_prefix_blocks)
 
-    def rank(self, token_ids: Sequence[int], loads: dict[str, int | None]) -> tuple[list[list[str]], list[bytes]]:
+    def rank(self, token_ids: Sequence[int], loads: dict[str, int | None]) -> tuple[list[list[str]], list[int]]:
         """Replica ids in preference order (groups, as Ray's router takes them), and the
         prompt's block hashes (pass them to `record` once the request is sent).
 
@@ -74,7 +66,7 @@ class PrefixAffinity:
         pair = random.sample(replicas, min(2, len(replicas)))
         return [_least_loaded_first(pair, loads), [r for r in replicas if r not in pair]], hashes
 
-    def record(self, hashes: list[bytes], replica: str) -> None:
+    def record(self, hashes: list[int], replica: str) -> None:
         """The request with these blocks went to `replica`: it holds them now."""
         for h in hashes:
             self._owner[h] = replica

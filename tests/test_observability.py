@@ -61,21 +61,26 @@ def test_every_metric_is_on_the_prometheus_endpoint_after_one_request(service):
     with pytest.raises(openai.RateLimitError):  # this tenant's second request is shed: 429
         client.chat.completions.create(model=TARGET, messages=_unique_question(), max_tokens=2)
     wanted = set(exported_names())
-    deadline = time.monotonic() + 90  # Ray's agent collects from the replicas every ~10 s
+    # This request's own samples, not just the names (earlier tests export the same series):
+    # Ray's agent collects every ~10 s and the replica gauge is read every 5 s from serve.status().
+    expected = [
+        r'^ray_latency_serve_requests_shed_total\{[^}]*reason="rate_limit_requests"',
+        r'^ray_latency_serve_requests_total\{[^}]*status="429"',
+        r'^ray_latency_serve_time_to_first_token_seconds_count\{[^}]*model_name="%s"' % TARGET,
+        r'^ray_latency_serve_replicas\{[^}]*deployment="TargetModel"[^}]*\} 1',
+    ]
+    deadline = time.monotonic() + 90
     while True:
         url, text = _metrics_text()
         present = set(re.findall(r"^(ray_latency_serve_\w+?)(?:_bucket|_count|_sum)?\{", text, re.M))
         missing = wanted - present
-        # The replica gauge is read every 5 s from serve.status(): its first reading may predate
-        # the TargetModel replica being RUNNING, so wait for the current one too.
-        replicas = re.search(r'^ray_latency_serve_replicas\{[^}]*deployment="TargetModel"[^}]*\} 1', text, re.M)
-        if not missing and replicas:
+        absent = [e for e in expected if not re.search(e, text, re.M)]
+        if not missing and not absent:
             break
-        assert time.monotonic() < deadline, f"not on {url} after one request: {sorted(missing)}, replicas: {bool(replicas)}"
+        assert time.monotonic() < deadline, f"not on {url} after one request: {sorted(missing)}, {absent}"
         time.sleep(2)
-    assert re.search(r'^ray_latency_serve_requests_shed_total\{[^}]*reason="rate_limit_requests"', text, re.M)
-    assert re.search(r'^ray_latency_serve_requests_total\{[^}]*status="429"', text, re.M)
-    assert re.search(r'^ray_latency_serve_time_to_first_token_seconds_count\{[^}]*model_name="%s"' % TARGET, text, re.M)
+    for pattern in expected:
+        assert re.search(pattern, text, re.M), pattern
 
 
 def _wait_for_spans(sink, trace_id: str, names: set[str], timeout_s: float = 30) -> list:

@@ -1,0 +1,21 @@
+"""Prompt blocks keyed by a hash chain, as in vLLM's automatic prefix caching.
+
+A block of `block_size` tokens is keyed by its tokens and its parent's key, so one key names
+the whole prefix up to that block. Shared by the engine's prefix KV cache
+(engines/prefix_cache.py) and the replica router's prefix affinity (router/prefix_affinity.py),
+so both name a prefix the same way. Plain Python: tuples of ints hash the same in every process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, limit: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(chain key, tokens) of the whole blocks within the first `limit` tokens."""
+    keys, parent = [], 0
+    for start in range(0, min(limit, len(token_ids)) - block_size + 1, block_size):
+        tokens = tuple(token_ids[start : start + block_size])
+        parent = hash((parent, tokens))
+        keys.append((parent, tokens))
+    return keys
