@@ -1,7 +1,10 @@
-"""What one Ray Serve handle hop costs, replica to replica, on this machine.
+"""Suite `hops`: what one Ray Serve handle hop costs, replica to replica, over each transport.
 
 Two bench-only deployments: `HopCaller` calls `HopEcho` and times it from inside a replica,
-which is where the serving graph's hops happen (ingress -> cache/router/model).
+which is where the serving graph's hops happen (ingress -> cache/router/model). The caller holds
+one handle per transport (`actor`: a Ray actor call, Serve's default; `grpc`: the replica's own
+gRPC server, `handle_transport: grpc` in serve_config.yaml) and alternates between them in
+blocks, so both see the same machine at the same time.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import time
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+
+from deployments.transport import over
+
+TRANSPORTS = ("actor", "grpc")
 
 
 @serve.deployment(name="HopEcho", ray_actor_options={"num_cpus": 0.01}, max_ongoing_requests=1000)
@@ -26,49 +33,82 @@ class HopEcho:
 @serve.deployment(name="HopCaller", ray_actor_options={"num_cpus": 0.01}, max_ongoing_requests=1000)
 class HopCaller:
     def __init__(self, echo: DeploymentHandle) -> None:
-        self.echo = echo
-        self.streaming = echo.options(stream=True)
+        self.unary_handles = {t: over(echo, t) for t in TRANSPORTS}
+        self.stream_handles = {t: over(echo, t).options(stream=True) for t in TRANSPORTS}
 
-    async def unary(self, requests: int, concurrency: int, payload_bytes: int = 256) -> list[float]:
+    @staticmethod
+    def _order(block: int) -> tuple[str, ...]:
+        return TRANSPORTS if block % 2 == 0 else TRANSPORTS[::-1]
+
+    async def unary(self, requests: int, concurrency: int, payload_bytes: int = 256, block: int = 20) -> dict:
         payload = b"x" * payload_bytes
-        samples: list[float] = []
-        sem = asyncio.Semaphore(concurrency)
+        samples: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
 
-        async def one() -> None:
+        async def one(transport: str, sem: asyncio.Semaphore) -> None:
             async with sem:
                 t = time.perf_counter()
-                await self.echo.ping.remote(payload)
-                samples.append((time.perf_counter() - t) * 1000)
+                await self.unary_handles[transport].ping.remote(payload)
+                samples[transport].append((time.perf_counter() - t) * 1000)
 
-        await asyncio.gather(*(one() for _ in range(requests)))
+        for b in range(max(1, requests // block)):
+            for transport in self._order(b):
+                sem = asyncio.Semaphore(concurrency)
+                await asyncio.gather(*(one(transport, sem) for _ in range(block)))
         return samples
 
-    async def stream_items(self, streams: int, items: int) -> dict[str, list[float]]:
+    async def stream_items(self, streams: int, items: int) -> dict:
         """Time to the first item (a hop) and between items (per-chunk cost of streaming)."""
-        first, gaps = [], []
-        for _ in range(streams):
-            t = time.perf_counter()
-            last = None
-            async for _ in self.streaming.stream.remote(items):
-                now = time.perf_counter()
-                if last is None:
-                    first.append((now - t) * 1000)
-                else:
-                    gaps.append((now - last) * 1000)
-                last = now
-        return {"first_item_ms": first, "per_item_ms": gaps}
+        out = {t: {"first_item_ms": [], "per_item_ms": []} for t in TRANSPORTS}
+        for s in range(streams):
+            for transport in self._order(s):
+                t = time.perf_counter()
+                last = None
+                async for _ in self.stream_handles[transport].stream.remote(items):
+                    now = time.perf_counter()
+                    if last is None:
+                        out[transport]["first_item_ms"].append((now - t) * 1000)
+                    else:
+                        out[transport]["per_item_ms"].append((now - last) * 1000)
+                    last = now
+        return out
 
 
 def measure_hops(requests: int = 300) -> dict:
+    """Per transport: unary hop at concurrency 1/8/32, a stream's first item and per item, in ms."""
     from bench.stats import summary
 
-    handle = serve.run(HopCaller.bind(HopEcho.bind()), name="hops", route_prefix=None)
-    handle.unary.remote(50, 1).result()  # warm both ends
-    out: dict = {}
+    quiet = {"enable_access_log": False, "log_level": "WARNING"}  # a log line per call would be timed too
+    echo = HopEcho.options(logging_config=quiet).bind()
+    handle = serve.run(HopCaller.options(logging_config=quiet).bind(echo), name="hops", route_prefix=None)
+    handle.unary.remote(40, 1).result()  # warm both ends, both transports
+    out: dict = {t: {} for t in TRANSPORTS}
     for concurrency in (1, 8, 32):
-        out[f"unary_c{concurrency}_ms"] = summary(handle.unary.remote(requests, concurrency).result())
+        block = max(20, concurrency)
+        samples = handle.unary.remote(requests, concurrency, block=block).result()
+        for t in TRANSPORTS:
+            out[t][f"unary_c{concurrency}_ms"] = summary(samples[t])
     streamed = handle.stream_items.remote(20, 50).result()
-    out["stream_first_item_ms"] = summary(streamed["first_item_ms"])
-    out["stream_per_item_ms"] = summary(streamed["per_item_ms"])
+    for t in TRANSPORTS:
+        out[t]["stream_first_item_ms"] = summary(streamed[t]["first_item_ms"])
+        out[t]["stream_per_item_ms"] = summary(streamed[t]["per_item_ms"])
+    out["grpc_vs_actor_p50"] = {
+        key: round(out["grpc"][key]["p50"] / out["actor"][key]["p50"], 3) for key in out["actor"]
+    }
     serve.delete("hops")
     return out
+
+
+def run(requests: int = 400, quick: bool = False) -> dict:
+    import ray
+
+    from bench.service import OFFLINE_ENV, free_port
+
+    if quick:
+        requests = min(requests, 100)
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": dict(OFFLINE_ENV)})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, logging_config={"enable_access_log": False})
+        return {"requests_per_point": requests, **measure_hops(requests)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()

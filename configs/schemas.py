@@ -332,6 +332,12 @@ class AppArgs(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     ingress: IngressConfig = IngressConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    handle_transport: Literal["grpc", "actor"] = Field(
+        "grpc",
+        description="how one deployment calls another (ingress -> cache/router/models, target -> remote draft): "
+        "grpc, Serve's direct gRPC channel to the replica; actor, a Ray actor call (Serve's default). "
+        "`python -m bench hops` measures both side by side",
+    )
 
     @model_validator(mode="after")
     def _distinct_models(self) -> "AppArgs":

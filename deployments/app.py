@@ -53,5 +53,5 @@ def build_graph(
     draft = with_options(DraftModel).bind(args.draft.model_dump(), telemetry)
     # Remote speculation: the target calls the draft deployment once per round.
     remote_draft = draft if args.target.speculative.placement == "remote" and "draft_model" in args.target.speculative.method else None
-    target = with_options(TargetModel).bind(args.target.model_dump(), remote_draft, telemetry)
+    target = with_options(TargetModel).bind(args.target.model_dump(), remote_draft, telemetry, args.handle_transport)
     return with_options(Ingress).bind(args.model_dump(), admission, cache, router, target, draft)

@@ -11,6 +11,7 @@ from ray.serve.handle import DeploymentHandle
 
 from admission.sync import AdmissionSync
 from configs.schemas import AppArgs, EngineConfig
+from deployments.transport import over
 from engines.model_store import resolve_model_dir
 from engines.types import GenerateRequest
 from ingress.api import build_api
@@ -94,10 +95,11 @@ class Ingress:
         draft: DeploymentHandle,
     ) -> None:
         config = AppArgs.model_validate(args)
+        hop = config.handle_transport
         backends = HandleBackends(
-            cache,
-            router,
-            {config.target.engine.model_id: target, config.draft.engine.model_id: draft},
+            over(cache, hop),
+            over(router, hop),
+            {config.target.engine.model_id: over(target, hop), config.draft.engine.model_id: over(draft, hop)},
             write_timeout_s=config.ingress.stage_timeout_s,
         )
         embedder = None

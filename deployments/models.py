@@ -12,6 +12,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from configs.schemas import ModelStageConfig, TelemetryConfig
+from deployments.transport import over
 from draft.remote import DraftSessions, RemoteDraft
 from engines.service import ModelService
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
@@ -22,12 +23,14 @@ log = logging.getLogger(__name__)
 
 
 class _ModelDeployment:
-    def __init__(self, args: dict, draft: DeploymentHandle | None = None, telemetry: dict | None = None) -> None:
+    def __init__(
+        self, args: dict, draft: DeploymentHandle | None = None, telemetry: dict | None = None, transport: str = "grpc"
+    ) -> None:
         config = ModelStageConfig.model_validate(args)
         observe = TelemetryConfig.model_validate(telemetry or {})
         if config.engine.nice:
             os.nice(config.engine.nice)  # this replica's own process: the ingress and proxy keep their priority
-        remote = RemoteDraft(draft) if draft is not None else None
+        remote = RemoteDraft(over(draft, transport)) if draft is not None else None
         self.service = ModelService(config, remote_draft=remote)
         self._model_id = config.engine.model_id
         self._tracer = make_tracer(observe.tracing, type(self).__name__)
