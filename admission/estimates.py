@@ -10,10 +10,13 @@ per round is a lower ITL.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 PRIOR_OUTPUT_FRACTION = 0.5  # of max_tokens, until measured
 BATCH_COST = 0.5  # share of a step's cost each extra sequence adds, where not measured
+MAX_AGE_S = 30.0  # a concurrency level not measured for this long stops counting (see ByConcurrency)
 
 
 def _bucket(concurrency: float) -> int:
@@ -38,15 +41,35 @@ class ByConcurrency:
     interpolated; below the lowest: the lowest's; above the highest (or with nothing measured,
     from the prior): each added sequence is assumed to add half the cost again. Pessimistic
     enough not to over-admit, optimistic enough that a higher concurrency gets tried, and then
-    measured."""
+    measured.
+
+    A level last measured over `max_age_s` ago is left out while fresher ones exist. Without
+    that, one bad spell (a replica restarting beside the models, hogging the cores) leaves a
+    level priced so high that admission never runs that many requests again, so the level is
+    never measured again either: the service stays at one request at a time and sheds the
+    rest for good. Forgotten, the level is extrapolated from the live ones, tried, and
+    re-measured."""
 
     levels: dict[int, Ewma] = field(default_factory=dict)
+    updated: dict[int, float] = field(default_factory=dict)
+    max_age_s: float = MAX_AGE_S
+    clock: Callable[[], float] = time.monotonic
 
     def add(self, concurrency: float, value: float) -> None:
-        self.levels.setdefault(_bucket(concurrency), Ewma(0.2)).add(value)
+        level, now = _bucket(concurrency), self.clock()
+        if level not in self.levels or now - self.updated.get(level, now) > self.max_age_s:
+            self.levels[level] = Ewma(0.2)  # a forgotten level starts over from what it measures now
+        self.levels[level].add(value)
+        self.updated[level] = now
+
+    def _measured(self) -> list[tuple[int, float]]:
+        measured = {b: e.value for b, e in self.levels.items() if e.value is not None}
+        oldest = self.clock() - self.max_age_s
+        fresh = {b: v for b, v in measured.items() if self.updated.get(b, oldest) > oldest}
+        return sorted((fresh or measured).items())
 
     def at(self, concurrency: float, prior: float) -> float:
-        measured = sorted((b, e.value) for b, e in self.levels.items() if e.value is not None)
+        measured = self._measured()
         c = max(1.0, concurrency)
         if not measured:
             return prior * (1 + BATCH_COST * (c - 1))
@@ -59,7 +82,9 @@ class ByConcurrency:
         return value * (1 + BATCH_COST * (c / top - 1))
 
     def snapshot(self) -> dict[int, float | None]:
-        return {b: _round(e.value) for b, e in sorted(self.levels.items())}
+        """Every level's value; a level left out for its age shows as None."""
+        live = dict(self._measured())
+        return {b: _round(live.get(b)) for b in sorted(self.levels)}
 
 
 @dataclass
@@ -71,6 +96,10 @@ class ModelEstimates:
     overhead_ms: Ewma = field(default_factory=lambda: Ewma(0.2))  # time to first token beyond prefill
     output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
     itl: ByConcurrency = field(default_factory=ByConcurrency)
+    max_age_s: float = MAX_AGE_S
+
+    def __post_init__(self) -> None:
+        self.prefill_ms_per_token.max_age_s = self.itl.max_age_s = self.max_age_s
 
     def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
                 completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,
@@ -109,13 +138,14 @@ class ModelEstimates:
 class ServiceEstimates:
     """Estimates for every model this ingress sends requests to."""
 
-    def __init__(self, prior_itl_ms: float, prior_prefill_ms_per_token: float) -> None:
+    def __init__(self, prior_itl_ms: float, prior_prefill_ms_per_token: float, max_age_s: float = MAX_AGE_S) -> None:
         self._priors = (prior_itl_ms, prior_prefill_ms_per_token)
+        self.max_age_s = max_age_s
         self.models: dict[str, ModelEstimates] = {}
 
     def __getitem__(self, model_id: str) -> ModelEstimates:
         if model_id not in self.models:
-            self.models[model_id] = ModelEstimates(*self._priors)
+            self.models[model_id] = ModelEstimates(*self._priors, max_age_s=self.max_age_s)
         return self.models[model_id]
 
     def snapshot(self) -> dict:

@@ -22,7 +22,9 @@ Mode = Literal["predictive", "fifo"]
 class AdmissionPolicy:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
-        self.estimates = ServiceEstimates(config.prior_itl_ms, config.prior_prefill_ms_per_token)
+        self.estimates = ServiceEstimates(
+            config.prior_itl_ms, config.prior_prefill_ms_per_token, config.estimate_max_age_s
+        )
         self.gate = AdmissionGate(
             config.max_inflight, config.max_queued, config.retry_after_s, self.estimates, config.safety
         )

@@ -11,6 +11,9 @@ Every request the load sends ends in exactly one bucket:
   closes without finish_reason or error, a 200 without choices, a 4xx without an error body.
   The bar is 0.
 
+Four closed-loop clients; each honors a 429/503's Retry-After (up to 5 s) before its next
+request, as the openai SDK does.
+
 A fault is `ray.kill` on one replica actor (what a crashed process or a lost node looks like to
 Serve). The suite waits until Serve has a healthy replacement, then settles before the next.
 """
@@ -39,6 +42,9 @@ QUESTIONS = [
     "Give me three tips for staying focused while studying.",
 ]
 CLIENT_TIMEOUT_S = 90.0
+# Clients honor a shed's Retry-After, up to this. Clients that retry at once instead can hold a
+# 2-core box in overload: the 503s themselves then cost the CPU the (nice 19) models need.
+MAX_BACKOFF_S = 5.0
 KINDS = ("succeeded", "failed_cleanly", "failed_abruptly", "lost")
 
 
@@ -57,19 +63,22 @@ class Fault:
     killed_at_s: float
     recovered_at_s: float | None = None
     outcomes: dict[str, int] = field(default_factory=dict)
+    admission_after: dict | None = None  # an ingress's gate once settled: leaked slots would show here
 
 
-async def _one(client: httpx.AsyncClient, body: dict, headers: dict) -> tuple[str, str]:
-    """Send one request; classify how it ended."""
+async def _one(client: httpx.AsyncClient, body: dict, headers: dict, backoff: list[float]) -> tuple[str, str]:
+    """Send one request; classify how it ended. A 429/503 puts its Retry-After in `backoff`."""
     try:
         if not body.get("stream"):
             resp = await client.post("/v1/chat/completions", json=body, headers=headers)
             if resp.status_code == 200:
                 data = resp.json()
                 return ("succeeded", "200") if data.get("choices") else ("lost", "200:no_choices")
+            backoff[0] = _retry_after(resp)
             return _classify_error(resp.status_code, resp.text)
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
+                backoff[0] = _retry_after(resp)
                 return _classify_error(resp.status_code, (await resp.aread()).decode(errors="replace"))
             finished = error = None
             done = False
@@ -96,6 +105,16 @@ async def _one(client: httpx.AsyncClient, body: dict, headers: dict) -> tuple[st
         return "failed_abruptly", f"connection:{type(exc).__name__}"
     except json.JSONDecodeError:
         return "lost", "unparseable_body"
+
+
+def _retry_after(resp: httpx.Response) -> float:
+    """What a well-behaved client waits before its next request (the openai SDK honors it too)."""
+    if resp.status_code not in (429, 503):
+        return 0.0
+    try:
+        return min(MAX_BACKOFF_S, float(resp.headers.get("retry-after", 0)))
+    except ValueError:
+        return 0.0
 
 
 def _classify_error(status: int, text: str) -> tuple[str, str]:
@@ -127,9 +146,12 @@ async def _load(base: str, workers: int, max_tokens: int, stop: threading.Event,
                 }
                 headers = {} if cacheable else {"Cache-Control": "no-cache, no-store"}
                 start = time.monotonic() - t0
-                kind, detail = await _one(client, body, headers)
+                backoff = [0.0]
+                kind, detail = await _one(client, body, headers, backoff)
                 out.append(Outcome(start, time.monotonic() - t0, kind, detail))
                 i += 1
+                if backoff[0]:
+                    await asyncio.sleep(backoff[0])
 
     await asyncio.gather(*(worker(w) for w in range(workers)))
 
@@ -157,6 +179,17 @@ def wait_replaced(app: str, deployment: str, victim: str, timeout_s: float = 180
             return True
         time.sleep(0.25)
     return False
+
+
+def _admission_state(base: str) -> dict | None:
+    """What one ingress's admission gate holds: running and queued requests, rejections so far."""
+    try:
+        gate = httpx.get(base + "/health", timeout=10).json()["admission"]
+    except Exception as exc:
+        return {"error": type(exc).__name__}
+    state = {k: gate.get(k) for k in ("inflight", "queued", "running_by_model", "others_inflight", "rejected")}
+    state["itl_ms_by_concurrency"] = {m: e["itl_ms_by_concurrency"] for m, e in (gate.get("estimates") or {}).items()}
+    return state
 
 
 def _healthy(app: str, deployment: str) -> bool:
@@ -192,6 +225,7 @@ def run(requests: int | None = None, max_tokens: int = 24, quick: bool = False) 
                 if wait_replaced(app, stage, victims[0]):
                     fault.recovered_at_s = round(time.monotonic() - t0, 2)
                 time.sleep(settle_s)
+                fault.admission_after = _admission_state(base)
         finally:
             stop.set()
             loader.join(timeout=CLIENT_TIMEOUT_S + 30)
@@ -226,6 +260,7 @@ def run(requests: int | None = None, max_tokens: int = 24, quick: bool = False) 
                 "recovered_at_s": f.recovered_at_s,
                 "recovery_s": round(f.recovered_at_s - f.killed_at_s, 2) if f.recovered_at_s else None,
                 "requests_ended_after_this_kill": f.outcomes,
+                "admission_after": f.admission_after,
             }
             for f in faults
         ],

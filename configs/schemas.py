@@ -265,6 +265,10 @@ class AdmissionConfig(_Strict):
     prior_itl_ms: float = Field(60.0, gt=0, description="decode ms/token assumed until measured")
     prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until measured")
     safety: float = Field(1.1, ge=1.0, description="predicted times are multiplied by this before comparing")
+    estimate_max_age_s: float = Field(
+        30.0, gt=0, description="a concurrency level's service-time estimate not refreshed for this long is "
+        "extrapolated from fresher levels instead, so one slow spell can't keep admission shut for good",
+    )
 
     @model_validator(mode="after")
     def _tiers_known(self) -> "AdmissionConfig":

@@ -39,6 +39,47 @@ def test_estimates_interpolate_measured_levels_and_extrapolate_pessimistically()
     assert est.expected_tokens(100) == pytest.approx(55.0)  # 11 of 20 used: the measured fraction
 
 
+def test_a_level_priced_high_by_one_bad_spell_is_forgotten_so_admission_reopens():
+    """The chaos-suite wedge: a restart beside the models made two-at-a-time look hopeless, so
+    the gate ran one request at a time and never measured two again. Once level 2's samples
+    are older than max_age_s while level 1 stays measured, level 2 is extrapolated from level 1
+    and a second request starts again."""
+    now = [1000.0]
+    estimates = ServiceEstimates(50.0, 0.1, max_age_s=30.0)
+    est = estimates["m"]
+    for level in est.itl, est.prefill_ms_per_token:
+        level.clock = lambda: now[0]
+
+    def done(concurrency: int, itl_ms: float) -> None:
+        est.observe(prompt_tokens=10, prefill_ms=1.0, ttft_ms=2.0, queue_ms=0.0, completion_tokens=11,
+                    max_tokens=20, decode_ms=itl_ms * 10, concurrency=concurrency)
+
+    for _ in range(3):
+        done(1, 20.0)
+        done(2, 2000.0)  # the bad spell: 2 s a token with two in flight
+    gate = AdmissionGate(4, 4, 1, estimates, safety=1.0, clock=lambda: now[0])
+
+    def second_request_starts() -> bool:
+        first, second = _ticket(20, deadline_s=None), Ticket("m", "t", 0, 10, 20, deadline=now[0] + 5.0)
+        gate._start(first, now[0])  # one request already running
+        try:
+            return gate.check(second) is None and gate._can_start(second, [], now[0])
+        finally:
+            gate.release(first)
+
+    assert not second_request_starts()  # 10 tokens x 2 s > 5 s
+    now[0] += 20.0
+    done(1, 20.0)  # one at a time keeps level 1 fresh
+    assert not second_request_starts()  # level 2 is 20 s old: still believed
+    now[0] += 15.0
+    done(1, 20.0)
+    assert est.itl.snapshot()[2] is None  # 35 s old: forgotten
+    assert est.itl_ms(2) == pytest.approx(30.0)  # extrapolated from level 1
+    assert second_request_starts()
+    done(2, 40.0)  # measured again, and believed again
+    assert est.itl_ms(2) == pytest.approx(40.0)
+
+
 def test_gate_sheds_at_once_what_cannot_make_it_queues_by_priority_and_protects_running():
     async def main():
         gate = _gate(itl_ms=10)
