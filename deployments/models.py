@@ -14,7 +14,9 @@ from ray.serve.handle import DeploymentHandle
 from configs.schemas import ModelStageConfig, TelemetryConfig
 from deployments.transport import over
 from draft.remote import DraftSessions, RemoteDraft
+from engines.factory import build_service
 from engines.service import ModelService
+from engines.vllm_service import VLLMService
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from telemetry.metrics import EngineMetrics
 from telemetry.tracing import ModelCallTrace, make_tracer
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class _ModelDeployment:
-    def __init__(
+    async def __init__(
         self, args: dict, draft: DeploymentHandle | None = None, telemetry: dict | None = None, transport: str = "grpc"
     ) -> None:
         config = ModelStageConfig.model_validate(args)
@@ -31,7 +33,9 @@ class _ModelDeployment:
         if config.engine.nice:
             os.nice(config.engine.nice)  # this replica's own process: the ingress and proxy keep their priority
         remote = RemoteDraft(over(draft, transport)) if draft is not None else None
-        self.service = ModelService(config, remote_draft=remote)
+        self.service = build_service(config, remote)
+        if isinstance(self.service, VLLMService):
+            await self.service.warmup()  # ModelService warms up in its constructor, on its worker thread
         self._model_id = config.engine.model_id
         self._tracer = make_tracer(observe.tracing, type(self).__name__)
         self._metrics = EngineMetrics(observe.metrics, self._model_id) if observe.metrics.enabled else None
@@ -95,13 +99,17 @@ class TargetModel(_ModelDeployment):
 class DraftModel(_ModelDeployment):
     """The small model: serves whole routed requests, and drafts for remote speculation."""
 
-    def __init__(self, args: dict, telemetry: dict | None = None) -> None:
-        super().__init__(args, telemetry=telemetry)
-        self.sessions = DraftSessions(self.service.engine)
+    async def __init__(self, args: dict, telemetry: dict | None = None) -> None:
+        await super().__init__(args, telemetry=telemetry)
+        # Remote drafting drives the engine's forward passes: CPU engines only (a vLLM target
+        # speculates inside vLLM, see configs/schemas.py).
+        self.sessions = DraftSessions(self.service.engine) if isinstance(self.service, ModelService) else None
 
     async def propose(
         self, session_id: str, context: list[int], k: int, params: SamplingParams, seed: int
     ) -> tuple[list[int], torch.Tensor | None, float]:
+        if self.sessions is None:
+            return [], None, 0.0  # no draft here: the target decodes without one
         loop = asyncio.get_running_loop()
         # The same worker thread as generate(): one forward pass at a time in this replica.
         proposal = await loop.run_in_executor(
@@ -110,10 +118,12 @@ class DraftModel(_ModelDeployment):
         return proposal.tokens, proposal.probs, proposal.marginal_ms
 
     async def end(self, session_id: str) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.service.executor, self.sessions.end, session_id)
+        if self.sessions is not None:
+            await asyncio.get_running_loop().run_in_executor(self.service.executor, self.sessions.end, session_id)
 
     async def stats(self) -> dict[str, float]:
+        if self.sessions is None:
+            return self.service.snapshot()
         return {
             **self.service.snapshot(),
             "draft_sessions_recomputed": self.sessions.recomputed,

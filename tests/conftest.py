@@ -15,6 +15,16 @@ from ingress.context import tenant_from_headers
 
 os.environ.update(OFFLINE_ENV)  # tests never reach a model hub
 
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests (optional extras, long runs) run only with RUN_SLOW=1."""
+    if os.environ.get("RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set RUN_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
 # The test service keeps the production config but tight admission limits, so overload
 # behaviour can be provoked with a handful of requests.
 TEST_MAX_INFLIGHT = 2

