@@ -10,7 +10,7 @@ import pytest
 
 from bench.service import OFFLINE_ENV, running_service
 from configs.schemas import EngineConfig, TenantLimits, TierConfig, TracingConfig
-from configs.serve_config import load_serve_config
+from configs.serve_config import DEFAULT_SERVE_CONFIG, load_serve_config
 from ingress.context import tenant_from_headers
 
 os.environ.update(OFFLINE_ENV)  # tests never reach a model hub
@@ -62,7 +62,9 @@ class Service:
 
 @pytest.fixture(scope="session")
 def serve_file():
-    return load_serve_config()
+    """serve_config.yaml, or the profile SERVE_CONFIG names (e.g. configs/cpu-vllm.yaml: the API
+    tests against the vLLM engine)."""
+    return load_serve_config(os.environ.get("SERVE_CONFIG") or DEFAULT_SERVE_CONFIG)
 
 
 @pytest.fixture(scope="session")
