@@ -101,3 +101,19 @@ def test_vllm_service_streams_usage_stops_and_aborts():
         assert service.stats["requests_cancelled"] == 1 and service.stats["active"] == 0
 
     asyncio.run(main())
+
+
+def test_rayservice_manifest_carries_the_profile_unchanged_but_for_the_pod_host():
+    import yaml
+
+    from configs.rayservice import manifest
+
+    doc = manifest(GPU_PROFILE, "registry.example/latency-serve:1", gpu_workers=3)
+    assert doc["kind"] == "RayService" and doc["apiVersion"] == "ray.io/v1"
+    served = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    original = yaml.safe_load(GPU_PROFILE.read_text())
+    assert served["http_options"]["host"] == "0.0.0.0"
+    assert served["applications"] == original["applications"]
+    group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert group["replicas"] == 3
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
