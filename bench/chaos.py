@@ -66,20 +66,19 @@ class Fault:
     admission_after: dict | None = None  # an ingress's gate once settled: leaked slots would show here
 
 
-async def _one(client: httpx.AsyncClient, body: dict, headers: dict, backoff: list[float]) -> tuple[str, str]:
-    """Send one request; classify how it ended. A 429/503 puts its Retry-After in `backoff`."""
+async def _one(client: httpx.AsyncClient, body: dict, headers: dict) -> tuple[str, str, float]:
+    """Send one request: how it ended, and how long to wait before the next (a shed's Retry-After)."""
     try:
         if not body.get("stream"):
             resp = await client.post("/v1/chat/completions", json=body, headers=headers)
             if resp.status_code == 200:
                 data = resp.json()
-                return ("succeeded", "200") if data.get("choices") else ("lost", "200:no_choices")
-            backoff[0] = _retry_after(resp)
-            return _classify_error(resp.status_code, resp.text)
+                return ("succeeded", "200", 0.0) if data.get("choices") else ("lost", "200:no_choices", 0.0)
+            return (*_classify_error(resp.status_code, resp.text), _retry_after(resp))
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
-                backoff[0] = _retry_after(resp)
-                return _classify_error(resp.status_code, (await resp.aread()).decode(errors="replace"))
+                text = (await resp.aread()).decode(errors="replace")
+                return (*_classify_error(resp.status_code, text), _retry_after(resp))
             finished = error = None
             done = False
             async for line in resp.aiter_lines():
@@ -95,16 +94,16 @@ async def _one(client: httpx.AsyncClient, body: dict, headers: dict, backoff: li
                 for choice in event.get("choices") or []:
                     finished = choice.get("finish_reason") or finished
             if done and error:
-                return "failed_cleanly", f"sse_error:{error}"
+                return "failed_cleanly", f"sse_error:{error}", 0.0
             if done and finished:
-                return "succeeded", "200:stream"
-            return "lost", "stream_closed_without_finish"
+                return "succeeded", "200:stream", 0.0
+            return "lost", "stream_closed_without_finish", 0.0
     except httpx.TimeoutException as exc:  # a hang: the worst outcome
-        return "lost", f"client_timeout:{type(exc).__name__}"
+        return "lost", f"client_timeout:{type(exc).__name__}", 0.0
     except (httpx.TransportError, httpx.StreamError) as exc:  # the connection broke: the client knows
-        return "failed_abruptly", f"connection:{type(exc).__name__}"
+        return "failed_abruptly", f"connection:{type(exc).__name__}", 0.0
     except json.JSONDecodeError:
-        return "lost", "unparseable_body"
+        return "lost", "unparseable_body", 0.0
 
 
 def _retry_after(resp: httpx.Response) -> float:
@@ -146,12 +145,11 @@ async def _load(base: str, workers: int, max_tokens: int, stop: threading.Event,
                 }
                 headers = {} if cacheable else {"Cache-Control": "no-cache, no-store"}
                 start = time.monotonic() - t0
-                backoff = [0.0]
-                kind, detail = await _one(client, body, headers, backoff)
+                kind, detail, backoff = await _one(client, body, headers)
                 out.append(Outcome(start, time.monotonic() - t0, kind, detail))
                 i += 1
-                if backoff[0]:
-                    await asyncio.sleep(backoff[0])
+                if backoff:
+                    await asyncio.sleep(backoff)
 
     await asyncio.gather(*(worker(w) for w in range(workers)))
 

@@ -72,7 +72,7 @@ def engine_args(config: ModelStageConfig) -> dict[str, Any]:
 
 def sampling_params(params: SamplingParams) -> dict[str, Any]:
     """vLLM `SamplingParams` keywords for ours: one to one, streamed as deltas."""
-    out: dict[str, Any] = {
+    return {
         "n": 1,
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
@@ -80,7 +80,6 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
         "stop": list(params.stop) or None,
         "seed": params.seed,
     }
-    return out
 
 
 class VLLMEngineInfo:
@@ -98,13 +97,14 @@ class VLLMService:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.config = config
-        started = time.monotonic()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(config)))
-        log.info("%s: vLLM engine up in %.1f s", config.engine.model_id, time.monotonic() - started)
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(engine_args(config)["tokenizer"])
+        self.config = config
+        args = engine_args(config)
+        started = time.monotonic()
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        log.info("%s: vLLM engine up in %.1f s", config.engine.model_id, time.monotonic() - started)
+        tokenizer = AutoTokenizer.from_pretrained(args["tokenizer"])
         self.engine = VLLMEngineInfo(config.engine.model_id, tokenizer, config.engine.max_model_len)
         self.stats = {"requests_started": 0, "requests_finished": 0, "requests_cancelled": 0,
                       "tokens_generated": 0, "active": 0}
@@ -157,8 +157,8 @@ class VLLMService:
                     first = False
                 if out.finished:
                     finished = True
-                    chunk.finish_reason = "length" if piece.finish_reason == "length" else (
-                        "abort" if piece.finish_reason == "abort" else "stop")
+                    reason = piece.finish_reason
+                    chunk.finish_reason = reason if reason in ("length", "abort") else "stop"
                     chunk.prompt_tokens = len(request.prompt_token_ids)
                     chunk.completion_tokens = completion
                 yield chunk
