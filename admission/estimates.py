@@ -16,7 +16,8 @@ from typing import Callable
 
 PRIOR_OUTPUT_FRACTION = 0.5  # of max_tokens, until measured
 BATCH_COST = 0.5  # share of a step's cost each extra sequence adds, where not measured
-MAX_AGE_S = 30.0  # a concurrency level not measured for this long stops counting (see ByConcurrency)
+MAX_AGE_S = 30.0  # a concurrency level not measured for this long starts to fade (see ByConcurrency)
+STALE_HALF_LIFE_S = 90.0  # ... halving its (log) distance from the extrapolation this often
 
 
 def _bucket(concurrency: float) -> int:
@@ -43,16 +44,21 @@ class ByConcurrency:
     enough not to over-admit, optimistic enough that a higher concurrency gets tried, and then
     measured.
 
-    A level last measured over `max_age_s` ago is left out while fresher ones exist. Without
-    that, one bad spell (a replica restarting beside the models, hogging the cores) leaves a
-    level priced so high that admission never runs that many requests again, so the level is
-    never measured again either: the service stays at one request at a time and sheds the
-    rest for good. Forgotten, the level is extrapolated from the live ones, tried, and
-    re-measured."""
+    A level last measured over `max_age_s` ago fades toward the extrapolation from the fresh
+    levels: its log-distance from it halves every `half_life_s`. Kept as it was, one bad spell
+    (a replica restarting beside the models, hogging the cores) leaves a level priced so high
+    that admission never runs that many requests again, so it is never measured again either:
+    the service stays at one request at a time for good. Dropped outright, a level learned under
+    real load is replaced by the optimistic extrapolation after a quiet minute, and the next
+    burst over-admits. Fading in log space does both: with the defaults a 67x outlier is down
+    to 14x a minute after it went stale and to 5x after two, while a true 2.4x still counts as
+    1.6x after a minute and a half; a level measured again counts at once.
+    """
 
     levels: dict[int, Ewma] = field(default_factory=dict)
     updated: dict[int, float] = field(default_factory=dict)
     max_age_s: float = MAX_AGE_S
+    half_life_s: float = STALE_HALF_LIFE_S
     clock: Callable[[], float] = time.monotonic
 
     def add(self, concurrency: float, value: float) -> None:
@@ -63,28 +69,42 @@ class ByConcurrency:
         self.updated[level] = now
 
     def _measured(self) -> list[tuple[int, float]]:
+        now = self.clock()
         measured = {b: e.value for b, e in self.levels.items() if e.value is not None}
-        oldest = self.clock() - self.max_age_s
-        fresh = {b: v for b, v in measured.items() if self.updated.get(b, oldest) > oldest}
-        return sorted((fresh or measured).items())
+        fresh = sorted((b, v) for b, v in measured.items() if now - self.updated.get(b, now) <= self.max_age_s)
+        if not fresh:
+            return sorted(measured.items())  # nothing newer to fade toward
+        out = dict(fresh)
+        for b, v in measured.items():
+            if b not in out:
+                expected = _interpolate(fresh, b)
+                weight = 0.5 ** ((now - self.updated[b] - self.max_age_s) / self.half_life_s)
+                out[b] = expected * (v / expected) ** weight if expected > 0 and v > 0 else expected
+        return sorted(out.items())
 
     def at(self, concurrency: float, prior: float) -> float:
         measured = self._measured()
-        c = max(1.0, concurrency)
         if not measured:
-            return prior * (1 + BATCH_COST * (c - 1))
-        if c <= measured[0][0]:
-            return measured[0][1]
-        for (b0, v0), (b1, v1) in zip(measured, measured[1:]):
-            if c <= b1:
-                return v0 + (v1 - v0) * (c - b0) / (b1 - b0)
-        top, value = measured[-1]
-        return value * (1 + BATCH_COST * (c / top - 1))
+            return prior * (1 + BATCH_COST * (max(1.0, concurrency) - 1))
+        return _interpolate(measured, concurrency)
 
     def snapshot(self) -> dict[int, float | None]:
-        """Every level's value; a level left out for its age shows as None."""
+        """Every level's value as `at` uses it (a stale one faded)."""
         live = dict(self._measured())
         return {b: _round(live.get(b)) for b in sorted(self.levels)}
+
+
+def _interpolate(measured: list[tuple[int, float]], concurrency: float) -> float:
+    """Between measured levels: linear; below the lowest: the lowest's; above the highest: each
+    added sequence adds BATCH_COST of the highest's cost again."""
+    c = max(1.0, concurrency)
+    if c <= measured[0][0]:
+        return measured[0][1]
+    for (b0, v0), (b1, v1) in zip(measured, measured[1:]):
+        if c <= b1:
+            return v0 + (v1 - v0) * (c - b0) / (b1 - b0)
+    top, value = measured[-1]
+    return value * (1 + BATCH_COST * (c / top - 1))
 
 
 @dataclass
@@ -98,8 +118,11 @@ class ModelEstimates:
     itl: ByConcurrency = field(default_factory=ByConcurrency)
     max_age_s: float = MAX_AGE_S
 
+    half_life_s: float = STALE_HALF_LIFE_S
+
     def __post_init__(self) -> None:
-        self.prefill_ms_per_token.max_age_s = self.itl.max_age_s = self.max_age_s
+        for by in self.prefill_ms_per_token, self.itl:
+            by.max_age_s, by.half_life_s = self.max_age_s, self.half_life_s
 
     def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
                 completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,
@@ -138,14 +161,15 @@ class ModelEstimates:
 class ServiceEstimates:
     """Estimates for every model this ingress sends requests to."""
 
-    def __init__(self, prior_itl_ms: float, prior_prefill_ms_per_token: float, max_age_s: float = MAX_AGE_S) -> None:
+    def __init__(self, prior_itl_ms: float, prior_prefill_ms_per_token: float, max_age_s: float = MAX_AGE_S,
+                 half_life_s: float = STALE_HALF_LIFE_S) -> None:
         self._priors = (prior_itl_ms, prior_prefill_ms_per_token)
-        self.max_age_s = max_age_s
+        self.max_age_s, self.half_life_s = max_age_s, half_life_s
         self.models: dict[str, ModelEstimates] = {}
 
     def __getitem__(self, model_id: str) -> ModelEstimates:
         if model_id not in self.models:
-            self.models[model_id] = ModelEstimates(*self._priors, max_age_s=self.max_age_s)
+            self.models[model_id] = ModelEstimates(*self._priors, max_age_s=self.max_age_s, half_life_s=self.half_life_s)
         return self.models[model_id]
 
     def snapshot(self) -> dict:

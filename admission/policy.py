@@ -23,7 +23,8 @@ class AdmissionPolicy:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self.estimates = ServiceEstimates(
-            config.prior_itl_ms, config.prior_prefill_ms_per_token, config.estimate_max_age_s
+            config.prior_itl_ms, config.prior_prefill_ms_per_token, config.estimate_max_age_s,
+            config.estimate_half_life_s,
         )
         self.gate = AdmissionGate(
             config.max_inflight, config.max_queued, config.retry_after_s, self.estimates, config.safety

@@ -323,8 +323,13 @@ class AdmissionConfig(_Strict):
     prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until measured")
     safety: float = Field(1.1, ge=1.0, description="predicted times are multiplied by this before comparing")
     estimate_max_age_s: float = Field(
-        30.0, gt=0, description="a concurrency level's service-time estimate not refreshed for this long is "
-        "extrapolated from fresher levels instead, so one slow spell can't keep admission shut for good",
+        30.0, gt=0, description="a concurrency level's service-time estimate not refreshed for this long starts "
+        "to fade toward the extrapolation from fresher levels, so one slow spell can't keep admission shut for good",
+    )
+    estimate_half_life_s: float = Field(
+        90.0, gt=0, description="how fast a stale estimate fades: its log-distance from the extrapolation "
+        "halves this often (short: a slow spell is forgotten sooner; long: a burst after a quiet spell is "
+        "priced by what the last burst measured)",
     )
 
     @model_validator(mode="after")

@@ -39,24 +39,29 @@ def test_estimates_interpolate_measured_levels_and_extrapolate_pessimistically()
     assert est.expected_tokens(100) == pytest.approx(55.0)  # 11 of 20 used: the measured fraction
 
 
-def test_a_level_priced_high_by_one_bad_spell_is_forgotten_so_admission_reopens():
-    """The chaos-suite wedge: a restart beside the models made two-at-a-time look hopeless, so
-    the gate ran one request at a time and never measured two again. Once level 2's samples
-    are older than max_age_s while level 1 stays measured, level 2 is extrapolated from level 1
-    and a second request starts again."""
-    now = [1000.0]
-    estimates = ServiceEstimates(50.0, 0.1, max_age_s=30.0)
+def _clocked_estimates(now: list[float]) -> tuple[ServiceEstimates, object]:
+    estimates = ServiceEstimates(50.0, 0.1, max_age_s=30.0, half_life_s=90.0)
     est = estimates["m"]
     for level in est.itl, est.prefill_ms_per_token:
         level.clock = lambda: now[0]
+    return estimates, est
 
-    def done(concurrency: int, itl_ms: float) -> None:
-        est.observe(prompt_tokens=10, prefill_ms=1.0, ttft_ms=2.0, queue_ms=0.0, completion_tokens=11,
-                    max_tokens=20, decode_ms=itl_ms * 10, concurrency=concurrency)
 
+def _done(est, concurrency: int, itl_ms: float) -> None:
+    est.observe(prompt_tokens=10, prefill_ms=1.0, ttft_ms=2.0, queue_ms=0.0, completion_tokens=11,
+                max_tokens=20, decode_ms=itl_ms * 10, concurrency=concurrency)
+
+
+def test_a_level_priced_high_by_one_bad_spell_fades_so_admission_reopens():
+    """The chaos-suite wedge: a restart beside the models made two-at-a-time look hopeless, so
+    the gate ran one request at a time and never measured two again. Once level 2's samples
+    are older than max_age_s while level 1 stays measured, level 2 fades toward the
+    extrapolation from level 1 (in log space, half-life 90 s) and a second request starts again."""
+    now = [1000.0]
+    estimates, est = _clocked_estimates(now)
     for _ in range(3):
-        done(1, 20.0)
-        done(2, 2000.0)  # the bad spell: 2 s a token with two in flight
+        _done(est, 1, 20.0)
+        _done(est, 2, 2000.0)  # the bad spell: 2 s a token with two in flight
     gate = AdmissionGate(4, 4, 1, estimates, safety=1.0, clock=lambda: now[0])
 
     def second_request_starts() -> bool:
@@ -67,17 +72,37 @@ def test_a_level_priced_high_by_one_bad_spell_is_forgotten_so_admission_reopens(
         finally:
             gate.release(first)
 
-    assert not second_request_starts()  # 10 tokens x 2 s > 5 s
-    now[0] += 20.0
-    done(1, 20.0)  # one at a time keeps level 1 fresh
-    assert not second_request_starts()  # level 2 is 20 s old: still believed
-    now[0] += 15.0
-    done(1, 20.0)
-    assert est.itl.snapshot()[2] is None  # 35 s old: forgotten
-    assert est.itl_ms(2) == pytest.approx(30.0)  # extrapolated from level 1
+    def tick(seconds: float) -> None:
+        now[0] += seconds
+        _done(est, 1, 20.0)  # one at a time keeps level 1 fresh
+
+    assert not second_request_starts()  # 11 tokens x 2 s > 5 s
+    tick(20.0)
+    assert not second_request_starts() and est.itl_ms(2) == pytest.approx(2000.0)  # 20 s old: believed
+    tick(25.0)
+    assert 30.0 < est.itl_ms(2) < 2000.0  # 45 s old: fading toward 30 (level 1's 20 x 1.5)
+    assert not second_request_starts()
+    tick(55.0)  # 100 s old: 30 x 66.7^0.58 ~ 350 ms a token
+    assert est.itl_ms(2) == pytest.approx(30.0 * (2000.0 / 30.0) ** 0.5 ** (70 / 90), rel=1e-6)
     assert second_request_starts()
-    done(2, 40.0)  # measured again, and believed again
+    _done(est, 2, 40.0)  # measured again: believed at once
     assert est.itl_ms(2) == pytest.approx(40.0)
+
+
+def test_a_level_learned_under_load_survives_a_quiet_minute():
+    """The bench-load regression of outright forgetting: levels measured in a burst (4 in flight:
+    6x level 1 on a 2-core box) went stale during a quiet minute, and the next burst was priced
+    by the optimistic extrapolation (2.5x) and over-admitted. Faded, most of the 6x stays."""
+    now = [1000.0]
+    _, est = _clocked_estimates(now)
+    for _ in range(3):
+        _done(est, 1, 100.0)
+        _done(est, 4, 600.0)
+    for _ in range(6):  # a quiet minute: only level 1 is measured
+        now[0] += 10.0
+        _done(est, 1, 100.0)
+    assert est.itl.snapshot()[4] == pytest.approx(250.0 * 2.4 ** 0.5 ** (30 / 90), abs=1e-3)
+    assert 450.0 < est.itl_ms(4) < 600.0
 
 
 def test_gate_sheds_at_once_what_cannot_make_it_queues_by_priority_and_protects_running():
