@@ -50,6 +50,7 @@ class Outcome:
     e2e_ms: float = 0.0
     code: str | None = None
     route: str | None = None
+    predicted_ttft_ms: float | None = None  # x-admission-predicted, when admission admitted it
 
     @property
     def good(self) -> bool:
@@ -96,6 +97,7 @@ async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, de
                                headers={**headers, "x-admission-mode": mode}) as resp:
             out.status = resp.status_code
             out.route = resp.headers.get("x-route")
+            out.predicted_ttft_ms = _predicted_ttft(resp.headers.get("x-admission-predicted"))
             if resp.status_code != 200:
                 raw = await resp.aread()
                 out.e2e_ms = (time.perf_counter() - start) * 1000
@@ -170,6 +172,28 @@ async def _closed_loop(base: str, clients: int, duration_s: float, mode: str, se
         return outcomes, time.perf_counter() - t0
 
 
+def _predicted_ttft(header: str | None) -> float | None:
+    """`ttft_ms=T; e2e_ms=E` -> T."""
+    for part in (header or "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == "ttft_ms" and value:
+            return float(value)
+    return None
+
+
+def _calibration(admitted: list[Outcome]) -> dict:
+    """Measured TTFT / predicted TTFT of the admitted interactive requests (> 1: admission was
+    optimistic), and the prediction of every one that missed its TTFT SLO."""
+    pairs = [(o.ttft_ms, o.predicted_ttft_ms) for o in admitted
+             if o.tier == "interactive" and o.ttft_ms is not None and o.predicted_ttft_ms]
+    ratios = [measured / predicted for measured, predicted in pairs]
+    return {
+        "ttft_measured_over_predicted_p50": round(percentile(ratios, 0.5), 2) if ratios else None,
+        "ttft_measured_over_predicted_p95": round(percentile(ratios, 0.95), 2) if ratios else None,
+        "ttft_slo_misses": [{"measured_ms": round(m), "predicted_ms": round(p)} for m, p in pairs if m > TTFT_SLO_MS],
+    }
+
+
 def _point(outcomes: list[Outcome], window_s: float, load_factor: float, admission: bool, rate: float) -> dict:
     admitted = [o for o in outcomes if o.kind != "shed"]
     completed = [o for o in outcomes if o.kind == "ok"]
@@ -202,6 +226,7 @@ def _point(outcomes: list[Outcome], window_s: float, load_factor: float, admissi
         "abandoned": sum(o.kind == "abandoned" for o in outcomes),
         "lost": sum(o.kind == "lost" for o in outcomes),
         "routes": routes,
+        **(_calibration(admitted) if admission else {}),
     }
 
 

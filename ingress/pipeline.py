@@ -594,6 +594,10 @@ class Pipeline:
                 ticket, decision = alt, RouteDecision(small, "deadline_downgrade")
                 p.notes["x-admission"] = "downgraded; the large model could not meet the deadline"
         await self.admission.admit(ticket)
+        # The gate's promise, so a client (and bench load) can hold it to it.
+        p.notes["x-admission-predicted"] = (
+            f"ttft_ms={(ticket.first_at - ticket.arrived) * 1000:.0f}; e2e_ms={(ticket.finish_at - ticket.arrived) * 1000:.0f}"
+        )
         p.ticket = ticket
         p.admitted_at = time.perf_counter()
         return Permit(self.gate, ticket), decision
