@@ -17,6 +17,9 @@ who is queued ahead, the fleet's load from the controller) and online service-ti
 An idle model takes a request it can start in time (`_idle_takes`): nothing is gained by turning
 it away.
 
+Every first token calibrates: measured / predicted time to first token, an EWMA, scales the
+next TTFT predictions (`bias`, never below 1).
+
 Concurrency counts every model's running requests: on one box the models share the cores
 (in the service on 2 CPU cores, the target's ITL with two requests in flight, on either model,
 measured ~3x its ITL alone), so each model's ITL is learned against the total.
@@ -31,12 +34,17 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from admission.estimates import ServiceEstimates
+from admission.estimates import Ewma, ServiceEstimates
 
 INF = float("inf")
 # A request is queued only if it is predicted to make its deadline with this much to spare;
 # otherwise it is shed at once. A queued request that is dropped later has waited for nothing.
 QUEUE_HEADROOM = 1.25
+# Measured / predicted time to first token, learned from every admitted request, scales the
+# TTFT predictions within these bounds: the estimates are per concurrency level and miss what
+# else loads the box (bench load measured 1.6x at p50 at 4x capacity on 2 cores). Never below
+# 1: a quiet spell's pessimism must not turn into optimism at the start of the next burst.
+TTFT_BIAS_BOUNDS = (1.0, 3.0)
 
 
 @dataclass(eq=False)
@@ -50,6 +58,8 @@ class Ticket:
     ttft_deadline: float | None = None  # ... and the first one
     arrived: float = field(default_factory=time.monotonic)
     # Set when it starts:
+    started_at: float = 0.0
+    ttft_scale: float = 1.0  # the bias x safety its TTFT prediction was scaled by
     concurrency_at_start: float = 1.0
     first_at: float = 0.0  # predicted first token
     finish_at: float = 0.0  # predicted last token
@@ -100,6 +110,7 @@ class AdmissionGate:
         self._seq = itertools.count()
         self.admitted = 0
         self.rejected: dict[str, int] = {}
+        self.ttft_bias = Ewma(0.2)  # measured / predicted time to first token once started
 
     # ------------------------------------------------------------------ state
 
@@ -142,15 +153,24 @@ class AdmissionGate:
         est = self.estimates[t.model_id]
         itl = est.itl_ms(concurrency)
         # A batching engine finishes the step in progress before taking a new sequence in.
-        first = est.prefill_ms(t.prompt_tokens, concurrency) + (itl if concurrency > 1 else 0.0)
+        first = (est.prefill_ms(t.prompt_tokens, concurrency) + (itl if concurrency > 1 else 0.0)) * self.bias()
         return first * self.safety, (first + est.expected_tokens(t.max_tokens) * itl) * self.safety
+
+    def bias(self) -> float:
+        low, high = TTFT_BIAS_BOUNDS
+        return min(high, max(low, self.ttft_bias.value or 1.0))
 
     def _prefills_ahead_ms(self, now: float) -> float:
         """Prompts admitted but not yet through prefill: the engine runs them before a new one."""
         return sum(max(0.0, r.first_at - now) * 1000 for r in self.running if not r.prefilled)
 
     def first_token(self, t: Ticket) -> None:
-        """The ticket's first token arrived: its prefill no longer delays anyone."""
+        """The ticket's first token arrived: its prefill no longer delays anyone, and how long
+        it took against the prediction calibrates the next predictions."""
+        if not t.prefilled and t.started_at:
+            measured, predicted = self._clock() - t.started_at, t.first_at - t.started_at
+            if predicted > 0:  # against the unscaled prediction, or the bias would chase itself
+                self.ttft_bias.add(min(4.0, measured * t.ttft_scale / predicted))
         t.prefilled = True
 
     def _fits_now(self, t: Ticket, now: float) -> bool:
@@ -299,7 +319,7 @@ class AdmissionGate:
 
     def _start(self, t: Ticket, now: float) -> None:
         c = self.concurrency() + 1
-        t.concurrency_at_start = c
+        t.started_at, t.concurrency_at_start, t.ttft_scale = now, c, self.bias() * self.safety
         first_ms, last_ms = self._service_ms(t, c)
         ahead_s = self._prefills_ahead_ms(now) / 1000
         t.first_at, t.finish_at = now + ahead_s + first_ms / 1000, now + ahead_s + last_ms / 1000
@@ -344,5 +364,6 @@ class AdmissionGate:
             "others_inflight": dict(self.others_inflight),
             "admitted": self.admitted,
             "rejected": dict(self.rejected),
+            "ttft_bias": None if self.ttft_bias.value is None else round(self.ttft_bias.value, 3),
             "estimates": self.estimates.snapshot(),
         }

@@ -302,7 +302,8 @@ def run(quick: bool = False, out: str | None = None, requests: int | None = None
         "capacity_runs": capacity_runs,
         "duration_s_per_point": duration,
         "points": points,
-        "admission_view": {"max_view_age_ms": health.get("max_view_age_ms"), "estimates": health.get("estimates")},
+        "admission_view": {"max_view_age_ms": health.get("max_view_age_ms"), "ttft_bias": health.get("ttft_bias"),
+                           "estimates": health.get("estimates")},
     }
     at2 = {p["admission"]: p for p in points if p["load_factor"] == 2.0}
     if at2.get(True) and at2.get(False):

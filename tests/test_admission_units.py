@@ -247,3 +247,31 @@ def test_a_request_larger_than_the_token_burst_goes_through_on_a_full_bucket_and
     assert over.value.limit == "tokens" and over.value.retry_after_s == 6  # 51 tokens at 10/s
     now[0] = 6.0
     limiter.check("a", 1)
+
+
+def test_ttft_predictions_are_scaled_by_how_late_first_tokens_really_came():
+    """Bench load at 4x capacity measured first tokens 1.6x later than predicted at p50: what
+    the per-level estimates miss (other work on the box) is learned as a bias on the TTFT
+    prediction, measured against the unscaled prediction so it can't chase itself, and never
+    taken below 1."""
+    now = [100.0]
+    gate = AdmissionGate(4, 4, 1, ServiceEstimates(10.0, 2.0), safety=1.1, clock=lambda: now[0])
+
+    def first_token_after(seconds: float) -> None:
+        t = Ticket("m", "t", 0, 100, 10)  # 100 prompt tokens x 2 ms: 200 ms predicted, unscaled
+        gate._start(t, now[0])
+        now[0] += seconds
+        gate.first_token(t)
+        gate.release(t)
+
+    probe = Ticket("m", "t", 0, 100, 10)
+    assert gate._service_ms(probe, 1)[0] == pytest.approx(220.0)  # 200 ms x safety 1.1
+    first_token_after(0.4)  # twice the unscaled prediction
+    assert gate.bias() == pytest.approx(2.0)
+    assert gate._service_ms(probe, 1)[0] == pytest.approx(440.0)
+    first_token_after(0.4)  # still 2x the unscaled 200 ms, though 440 ms were predicted
+    assert gate.bias() == pytest.approx(2.0)
+    for _ in range(30):
+        first_token_after(0.1)  # faster than predicted: the bias falls, to no less than 1
+    assert gate.ttft_bias.value < 1.0 and gate.bias() == 1.0
+    assert gate._service_ms(probe, 1)[0] == pytest.approx(220.0)
