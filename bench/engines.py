@@ -62,6 +62,21 @@ def _prompts(tokenizer) -> list[list[int]]:
     return out
 
 
+async def _streams(one, concurrency: int, waves: int, ttft: list[float], itl: list[float]) -> dict:
+    """Run `one(i)` (a stream; returns its token count) for concurrency x waves streams, at most
+    `concurrency` at once (each `one` holds the semaphore), and sum up what they measured."""
+    start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i) for i in range(concurrency * waves))))
+    wall = time.perf_counter() - start
+    return {
+        "concurrency": concurrency,
+        "tokens_per_s": round(tokens / wall, 1),
+        "ttft_p50_ms": summary(ttft)["p50"],
+        "itl_p50_ms": summary(itl)["p50"],
+        "tokens": tokens,
+    }
+
+
 async def _point(service, prompts: list[list[int]], concurrency: int, max_tokens: int, waves: int) -> dict:
     from engines.types import GenerateRequest, SamplingParams
 
@@ -84,16 +99,7 @@ async def _point(service, prompts: list[list[int]], concurrency: int, max_tokens
                 last, tokens = now, tokens + chunk.num_tokens
             return tokens
 
-    start = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i) for i in range(concurrency * waves))))
-    wall = time.perf_counter() - start
-    return {
-        "concurrency": concurrency,
-        "tokens_per_s": round(tokens / wall, 1),
-        "ttft_p50_ms": summary(ttft)["p50"],
-        "itl_p50_ms": summary(itl)["p50"],
-        "tokens": tokens,
-    }
+    return await _streams(one, concurrency, waves, ttft, itl)
 
 
 def _transformers_runs(max_tokens: int, waves: int) -> list[dict]:
@@ -174,17 +180,10 @@ async def _graph_point(base: str, model: str, concurrency: int, max_tokens: int,
                     itl.append((last - first) * 1000 / (tokens - 1))
             return tokens
 
-    start = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i) for i in range(concurrency * waves))))
-    wall = time.perf_counter() - start
-    await client.close()
-    return {
-        "concurrency": concurrency,
-        "tokens_per_s": round(tokens / wall, 1),
-        "ttft_p50_ms": summary(ttft)["p50"],
-        "itl_p50_ms": summary(itl)["p50"],
-        "tokens": tokens,
-    }
+    try:
+        return await _streams(one, concurrency, waves, ttft, itl)
+    finally:
+        await client.close()
 
 
 def _graph_runs(engine: str, serve_file: ServeFile, max_tokens: int, waves: int) -> list[dict]:
