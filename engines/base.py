@@ -35,6 +35,9 @@ class Engine(ABC):
     tokenizer: Any
     eos_token_ids: frozenset[int]
     max_model_len: int
+    # Sequences it can hold at once without evicting one's KV (llama.cpp: its contexts); None:
+    # no fixed limit. Past it, every step would recompute an evicted sequence's whole context.
+    max_sequences: int | None = None
 
     @abstractmethod
     def new_sequence(self) -> Sequence: ...

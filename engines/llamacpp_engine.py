@@ -59,6 +59,8 @@ class LlamaCppEngine(Engine):
             )
             for _ in range(config.max_sequences)
         ]
+        self.max_sequences = len(self._slots)
+        self.evictions = 0  # a context taken from a live sequence, which must recompute its KV
         self._n_vocab = self._slots[0].n_vocab()
         self._owner: list[_SeqState | None] = [None] * len(self._slots)
         self._last_used = [0.0] * len(self._slots)
@@ -123,6 +125,7 @@ class LlamaCppEngine(Engine):
             previous = self._owner[slot]
             if previous is not None:
                 previous.slot = None  # it will recompute when it runs again
+                self.evictions += 1
             self._owner[slot] = state
             state.slot = slot
             llm = self._slots[slot]
