@@ -117,7 +117,6 @@ class ModelEstimates:
     output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
     itl: ByConcurrency = field(default_factory=ByConcurrency)
     max_age_s: float = MAX_AGE_S
-
     half_life_s: float = STALE_HALF_LIFE_S
 
     def __post_init__(self) -> None:

@@ -107,13 +107,19 @@ def _transformers_runs(max_tokens: int, waves: int) -> list[dict]:
 
     service = ModelService(load_serve_config().args.target)
     prompts = _prompts(service.engine.tokenizer)
-    runs = []
-    for c in CONCURRENCY:
-        point = asyncio.run(_point(service, prompts, c, max_tokens, waves))
-        runs.append({"engine": "transformers", "behind_graph": False, "device": _device(), **point})
-        print(runs[-1], flush=True)
-    service.executor.shutdown()
-    return runs
+
+    async def all_points() -> list[dict]:  # one event loop: the service's asyncio primitives bind to it
+        runs = []
+        for c in CONCURRENCY:
+            point = await _point(service, prompts, c, max_tokens, waves)
+            runs.append({"engine": "transformers", "behind_graph": False, "device": _device(), **point})
+            print(runs[-1], flush=True)
+        return runs
+
+    try:
+        return asyncio.run(all_points())
+    finally:
+        service.executor.shutdown()
 
 
 def _vllm_profile_path() -> str:

@@ -23,7 +23,6 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -86,7 +85,8 @@ class ModelService:
         self._pending_lock = threading.Lock()
         self._batch_scheduled = False
         self._decoding = 0  # requests past their prefill: how many steps a full batch would hold
-        self._seats = Seats(self.engine.max_sequences) if self.engine.max_sequences else None
+        # FIFO, and a waiter cancelled (client gone) gives up its place; one event loop per replica.
+        self._seats = asyncio.Semaphore(self.engine.max_sequences) if self.engine.max_sequences else None
         self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
         self.costs: CostModel | None = None
         # On the worker thread, like every later forward pass: a second thread running torch
@@ -174,7 +174,7 @@ class ModelService:
         finished = decoding = seated = False
         try:
             if self._seats is not None:
-                if self._seats.full:
+                if self._seats.locked():
                     self.stats.seat_waits += 1
                 await self._seats.acquire()
                 seated = True
@@ -270,43 +270,6 @@ class ModelService:
         chunk = gen.prefill()
         chunk.timings_ms["engine_queue"] = queue_ms
         return chunk
-
-
-class Seats:
-    """A FIFO counting semaphore whose waiters live on whichever event loop is running (an
-    asyncio.Semaphore binds to the first loop it waits on; benchmarks run one loop per point)."""
-
-    def __init__(self, n: int) -> None:
-        self.free = n
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def full(self) -> bool:
-        """An `acquire` now would wait."""
-        return self.free <= 0 or bool(self._waiters)
-
-    async def acquire(self) -> None:
-        if not self.full:
-            self.free -= 1
-            return
-        seat: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(seat)
-        try:
-            await seat
-        except asyncio.CancelledError:
-            if seat.done() and not seat.cancelled():
-                self.release()  # handed a seat in the instant it was cancelled: pass it on
-            else:
-                self._waiters.remove(seat)
-            raise
-
-    def release(self) -> None:
-        while self._waiters:
-            seat = self._waiters.popleft()
-            if not seat.done():
-                seat.set_result(None)  # the seat goes straight to the next in line
-                return
-        self.free += 1
 
 
 def _resolve(done: asyncio.Future, result) -> None:

@@ -401,21 +401,22 @@ def test_a_llamacpp_stage_runs_no_more_sequences_than_it_has_contexts(serve_file
             text += chunk.text
         return text
 
-    async def together():
-        return await asyncio.gather(*(collect(i) for i in range(3)))
-
-    async def one_gives_up():
+    async def scenario() -> list[str]:
+        concurrent = await asyncio.gather(*(collect(i) for i in range(3)))
+        assert service.stats.seat_waits >= 1 and service.engine.evictions == 0
         streams = [asyncio.create_task(collect(i)) for i in range(3)]
         await asyncio.sleep(0.05)
-        assert service._seats.full  # two seated, the third waiting
+        assert service._seats.locked()  # two seated, the third waiting
         streams[2].cancel()
         await asyncio.gather(*streams[:2])
         with pytest.raises(asyncio.CancelledError):
             await streams[2]
+        # Every seat came back: two more streams run at once, neither waits.
+        waits = service.stats.seat_waits
+        await asyncio.gather(*(collect(i) for i in range(2)))
+        assert service.stats.seat_waits == waits and not service._seats.locked()
+        return concurrent
 
-    concurrent = asyncio.run(together())
-    assert service.stats.seat_waits >= 1 and service.engine.evictions == 0
-    asyncio.run(one_gives_up())
-    assert service._seats.free == 2 and not service._seats.full  # every seat came back
+    concurrent = asyncio.run(scenario())
     assert all(concurrent) and service.engine.evictions == 0
     service.executor.shutdown()
