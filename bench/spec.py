@@ -96,33 +96,8 @@ def _e2e_rate(results: list[dict]) -> float:
     return tokens / seconds if seconds else 0.0
 
 
-def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
-    from engines.service import ModelService
-    from ingress.prompts import PromptBuilder
-    from ingress.protocol import ChatMessage
-
-    serve_file = load_serve_config()
-    stage = serve_file.args.target
-    if stage.speculative.method == "none":
-        raise SystemExit("serve_config.yaml's target has speculative.method: none; nothing to measure")
-    service = ModelService(stage)
-    builder = PromptBuilder(service.engine.tokenizer)
-    workloads = {
-        name: [builder.chat([ChatMessage(**m) for m in conv]) for conv in convs[:requests]]
-        for name, convs in conversations().items()
-    }
-    # Candidate drafters share the replica's engines and measured costs.
-    candidates = {}
-    if not quick:
-        from draft.factory import build_proposers
-
-        for method in CANDIDATES:
-            if "draft_model" in method and service.draft_engine is None:
-                continue
-            cfg = stage.speculative.model_copy(update={"method": method})
-            proposers, _ = build_proposers(cfg, draft_engine=service.draft_engine)
-            candidates[method] = (proposers, copy.deepcopy(service.costs))
-
+def _measure(service, workloads: dict, candidates: dict, max_tokens: int) -> tuple[dict, bool]:
+    """Target alone, ours and each candidate, then HF assisted generation, prompt by prompt."""
     results: dict[str, dict[str, list[dict]]] = {}
     lossless = True
     total = sum(len(v) for v in workloads.values())
@@ -155,6 +130,40 @@ def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
                 )
                 bar.update()
 
+    return results, lossless
+
+
+def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
+    from engines.service import ModelService
+    from ingress.prompts import PromptBuilder
+    from ingress.protocol import ChatMessage
+
+    serve_file = load_serve_config()
+    stage = serve_file.args.target
+    if stage.speculative.method == "none":
+        raise SystemExit("serve_config.yaml's target has speculative.method: none; nothing to measure")
+    service = ModelService(stage)
+    builder = PromptBuilder(service.engine.tokenizer)
+    workloads = {
+        name: [builder.chat([ChatMessage(**m) for m in conv]) for conv in convs[:requests]]
+        for name, convs in conversations().items()
+    }
+    # Candidate drafters share the replica's engines and measured costs.
+    candidates = {}
+    if not quick:
+        from draft.factory import build_proposers
+
+        for method in CANDIDATES:
+            if "draft_model" in method and service.draft_engine is None:
+                continue
+            cfg = stage.speculative.model_copy(update={"method": method})
+            proposers, _ = build_proposers(cfg, draft_engine=service.draft_engine)
+            candidates[method] = (proposers, copy.deepcopy(service.costs))
+
+    # Every forward pass runs on the service's one worker thread, as in a replica: OpenMP keeps a
+    # thread team per calling thread, and with two teams on 2 cores every parallel region of
+    # every model (torch and llama.cpp share one libgomp) ran ~3x slower here.
+    results, lossless = service.executor.submit(_measure, service, workloads, candidates, max_tokens).result()
     def block(runs: dict[str, list[dict]]) -> dict:
         target = _rate(runs["target"])
         ours = _rate(runs["ours"])

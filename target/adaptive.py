@@ -123,6 +123,7 @@ class KChooser:
         # How often a free drafter (prompt lookup) carries a step: the model draft's one-off
         # catch-up only pays back over the steps the free drafters leave to it.
         self.free_share = Ema(0.5, weight=0.2)
+        self.started: set[str] = set()  # model drafters that have ingested the prompt
         self.steps = 0
         self._plain_rounds = 0
         self.rounds = 0
@@ -146,6 +147,8 @@ class KChooser:
         A model drafter that must first ingest `catch_up_tokens` of context (its prompt prefill)
         pays that once: over the `remaining` output budget R its rate is
         R / (catch_up_ms + R * T(k) / E(k)), so it only starts where the one-off cost pays back.
+        Once started, what it must catch up on (tokens the free drafters or plain steps emitted
+        since its last round) is paid by this round alone.
         """
         if not self.enabled or cap <= 0:
             return 0, self.plain_rate()
@@ -155,17 +158,20 @@ class KChooser:
             return k, float("inf")
         a = min(max(self.acceptance(source), 1e-3), 0.999)
         d = 0.0 if free else self.costs.draft_per_token.value
-        catch_up_ms = 0.0 if free else catch_up_tokens * self.costs.draft_prefill_per_token
-        horizon = max(1, remaining)
-        if catch_up_ms > 0:
+        # The draft's first pass of a round is counted in d; only the tokens beyond it cost extra
+        # (after a fully accepted round there are 2: the last draft and the target's bonus).
+        catch_up_ms = 0.0 if free else max(0, catch_up_tokens - 1) * self.costs.draft_prefill_per_token
+        horizon, one_off, per_round = max(1, remaining), 0.0, catch_up_ms
+        if catch_up_ms > 0 and source not in self.started:
             if self.steps < self.OBSERVE_STEPS:
                 return 0, self.plain_rate()  # too early to know whether prompt lookup will carry us
             horizon = max(1, int(remaining * (1 - self.free_share.value)))
+            one_off, per_round = catch_up_ms, 0.0
         best_k, best_rate = 0, self.plain_rate()
         for k in range(1, cap + 1):
             expected = (1 - a ** (k + 1)) / (1 - a)
-            round_ms = k * d + self.costs.verify_ms(k + 1)
-            rate = horizon / (catch_up_ms + horizon * round_ms / expected)
+            round_ms = per_round + k * d + self.costs.verify_ms(k + 1)
+            rate = horizon / (one_off + horizon * round_ms / expected)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate

@@ -128,6 +128,8 @@ class Generation:
         spec.chooser.observe(
             proposer.name, len(proposal.tokens), len(verdict.accepted), proposal.marginal_ms, (t2 - t1) * 1000
         )
+        if not proposer.free:
+            spec.chooser.started.add(proposer.name)
         counts = spec.by_source.setdefault(proposer.name, [0, 0])
         counts[0] += len(proposal.tokens)
         counts[1] += len(verdict.accepted)

@@ -159,3 +159,29 @@ def test_free_drafts_are_worth_verifying_at_lower_acceptance_than_costly_ones():
             chooser.observe(source, 4, 1, 0.0 if source == "ngram" else 80.0, 44.0)  # model: 20 ms/token
     assert chooser.plan("ngram", 4, free=True)[0] > 0
     assert chooser.plan("model", 8, free=False)[0] == 0
+
+
+def test_a_started_draft_pays_its_catch_up_in_the_round_that_needs_it():
+    costs = _costs()
+    costs.draft_prefill_per_token = 8.0  # as dear as a draft step (llama.cpp Q4_1 on this CPU)
+    chooser = KChooser(costs)
+    for _ in range(10):
+        chooser.observe("model", 6, 6, 48.0, 57.0)
+    chooser.started.add("model")
+    k, rate = chooser.plan("model", 8, free=False, catch_up_tokens=2, remaining=100)
+    assert k > 0 and rate > chooser.plain_rate(), "the usual 2-token catch-up (last draft + bonus) is cheap"
+    # 40 tokens came from prompt lookup since its last round: ~320 ms before it can propose.
+    assert chooser.plan("model", 8, free=False, catch_up_tokens=40, remaining=100)[0] == 0
+    # Not started yet: the prompt prefill is a one-off, spread over the rest of the output.
+    fresh = KChooser(costs)
+    for _ in range(KChooser.OBSERVE_STEPS):
+        fresh.note_step(free_used=False)
+    fresh.observe("model", 6, 6, 48.0, 57.0)
+    assert fresh.plan("model", 8, free=False, catch_up_tokens=40, remaining=400)[0] > 0
+
+
+def test_calibration_prices_the_draft_prefill_on_a_prompt_it_has_not_seen(spec_service):
+    costs = spec_service.executor.submit(spec_service._calibrate).result()  # earlier tests moved the EMAs
+    # Before the fix the warm-up's cached prefix made it ~1/15 of a draft step on this CPU.
+    assert costs.draft_prefill_per_token > costs.draft_per_token.value / 5, (
+        costs.draft_prefill_per_token, costs.draft_per_token.value)
