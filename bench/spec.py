@@ -202,7 +202,8 @@ def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
             "prompts_per_workload": requests,
             "max_tokens": max_tokens,
             "speculative": stage.speculative.model_dump(),
-            "verify_ms_by_tokens": [round(v.value, 1) for v in service.costs.verify],
+            "calibrated": service.costs.calibrated,
+            "verify_ms_by_tokens": [round(v.value, 1) for v in service.costs.verify],  # after the runs
             "draft_ms_per_token": round(service.costs.draft_per_token.value, 2),
             "draft_prefill_ms_per_token": round(service.costs.draft_prefill_per_token, 2),
         },

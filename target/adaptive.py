@@ -63,6 +63,12 @@ class CostModel:
         self.draft_prefill_per_token = draft_prefill_ms_per_token  # a draft catching up on context
         self.prior_acceptance = prior_acceptance
         self.acceptance: dict[str, Acceptance] = {}
+        # As measured at start-up (the EMAs above then follow live rounds).
+        self.calibrated = {
+            "verify_ms_by_tokens": [round(v.value, 1) for v in self.verify],
+            "draft_ms_per_token": round(draft_ms_per_token, 2),
+            "draft_prefill_ms_per_token": round(draft_prefill_ms_per_token, 2),
+        }
 
     @classmethod
     def calibrate(

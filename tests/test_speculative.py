@@ -35,11 +35,16 @@ def _chat_ids(tokenizer, conv) -> list[int]:
 
 
 def _decode(service, ids, params, speculation) -> tuple[list[int], str]:
-    gen = Generation(service.engine, GenerateRequest("t", ids, params), speculation)
-    chunks = [gen.prefill()]
-    while not gen.finished:
-        chunks.append(gen.step())
-    return gen.tokens[len(ids) :], "".join(c.text for c in chunks)
+    def run() -> tuple[list[int], str]:
+        gen = Generation(service.engine, GenerateRequest("t", ids, params), speculation)
+        chunks = [gen.prefill()]
+        while not gen.finished:
+            chunks.append(gen.step())
+        return gen.tokens[len(ids) :], "".join(c.text for c in chunks)
+
+    # On the replica's worker thread, as in serving: a second thread running the models would
+    # give OpenMP a second thread team on the same cores and slow every pass ~3x.
+    return service.executor.submit(run).result()
 
 
 def _all_prompts():
@@ -181,7 +186,7 @@ def test_a_started_draft_pays_its_catch_up_in_the_round_that_needs_it():
 
 
 def test_calibration_prices_the_draft_prefill_on_a_prompt_it_has_not_seen(spec_service):
-    costs = spec_service.executor.submit(spec_service._calibrate).result()  # earlier tests moved the EMAs
-    # Before the fix the warm-up's cached prefix made it ~1/15 of a draft step on this CPU.
-    assert costs.draft_prefill_per_token > costs.draft_per_token.value / 5, (
-        costs.draft_prefill_per_token, costs.draft_per_token.value)
+    measured = spec_service.costs.calibrated  # at start-up: later rounds move the live estimates
+    # Priced on the warm-up's prompt, which the draft still held, it came out ~1/15 of a draft
+    # step on this CPU; llama.cpp's Q4_1 prefill actually costs ~0.4-0.8 of one here.
+    assert measured["draft_prefill_ms_per_token"] > measured["draft_ms_per_token"] / 5, measured
