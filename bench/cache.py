@@ -97,14 +97,19 @@ def store_latency(dimensions: int, sizes: tuple[int, ...], queries: int = 300) -
 
 
 def http_latency(requests: int, max_tokens: int) -> dict:
+    """Hits over HTTP, on the ingress's direct listener (the headline numbers) and, side by side
+    in the same run, through Ray Serve's proxy: every exact hit is asked on both doors in turn;
+    paraphrases (a semantic hit is only a first time) alternate between them."""
     import httpx
 
-    from bench.service import running_service
+    from bench.service import running_service_urls
 
     serve_file = load_serve_config()
     model = serve_file.args.target.engine.model_id
     pairs = PARAPHRASES[:requests]
-    miss, exact, semantic, outcomes = [], [], [], {"semantic_hit": 0, "hint": 0, "miss": 0}
+    miss, outcomes = [], {"semantic_hit": 0, "hint": 0, "miss": 0}
+    exact: dict[str, list[float]] = {"direct": [], "proxy": []}
+    semantic: dict[str, list[float]] = {"direct": [], "proxy": []}
     stages: dict[str, dict[str, list[float]]] = {"exact_hit": {}, "semantic_hit": {}}
 
     def timing(kind: str, resp: httpx.Response) -> None:
@@ -119,26 +124,37 @@ def http_latency(requests: int, max_tokens: int) -> dict:
         resp.raise_for_status()
         return (time.perf_counter() - t) * 1000, resp
 
-    with running_service(serve_file) as base, httpx.Client(base_url=base, timeout=120,
-                                                           headers={"authorization": "Bearer bench"}) as client:
-        ask(client, "Warm up: say hi.")
-        for original, paraphrase in tqdm(pairs, desc="cache over HTTP", unit="pair"):
-            ms, resp = ask(client, original)
+    headers = {"authorization": "Bearer bench"}
+    with running_service_urls(serve_file) as urls, \
+            httpx.Client(base_url=urls.best, timeout=120, headers=headers) as direct, \
+            httpx.Client(base_url=urls.proxy, timeout=120, headers=headers) as proxy:
+        doors = {"direct": direct, "proxy": proxy} if urls.direct else {"proxy": proxy}
+        for client in doors.values():
+            ask(client, "Warm up: say hi.")
+        for i, (original, paraphrase) in enumerate(tqdm(pairs, desc="cache over HTTP", unit="pair")):
+            ms, resp = ask(direct, original)
             if resp.headers["x-cache"] in ("miss", "hint"):
                 miss.append(ms)
             time.sleep(0.05)  # the write is fire-and-forget: let it land
-            ms, resp = ask(client, original)
+            for door, client in doors.items():
+                ms, resp = ask(client, original)
+                if resp.headers["x-cache"] == "hit":
+                    exact[door].append(ms)
+                    if door == "direct" or not urls.direct:
+                        timing("exact_hit", resp)
+            door = list(doors)[i % len(doors)]
+            ms, resp = ask(doors[door], paraphrase)
             if resp.headers["x-cache"] == "hit":
-                exact.append(ms)
-                timing("exact_hit", resp)
-            ms, resp = ask(client, paraphrase)
-            if resp.headers["x-cache"] == "hit":
-                semantic.append(ms)
+                semantic[door].append(ms)
                 outcomes["semantic_hit"] += 1
-                timing("semantic_hit", resp)
+                if door == "direct" or not urls.direct:
+                    timing("semantic_hit", resp)
             else:
                 outcomes[resp.headers["x-cache"]] = outcomes.get(resp.headers["x-cache"], 0) + 1
-    return {"miss_ms": summary(miss), "exact_hit_ms": summary(exact), "semantic_hit_ms": summary(semantic),
+    head = "direct" if urls.direct else "proxy"
+    return {"miss_ms": summary(miss), "exact_hit_ms": summary(exact[head]), "semantic_hit_ms": summary(semantic[head]),
+            "via_proxy": {"exact_hit_ms": summary(exact["proxy"]), "semantic_hit_ms": summary(semantic["proxy"])},
+            "headline_door": head,
             "paraphrase_outcomes": outcomes,
             "server_timing_p50_ms": {kind: {name: summary(v)["p50"] for name, v in by.items()} for kind, by in stages.items()}}
 
@@ -184,7 +200,7 @@ def near_miss_speedup(pairs_n: int, max_tokens: int) -> dict:
     return asyncio.run(run_all())
 
 
-def run(requests: int = 30, max_tokens: int = 48, quick: bool = False) -> dict:
+def run(requests: int = 40, max_tokens: int = 48, quick: bool = False) -> dict:
     from semantic_cache.embedder import Embedder
 
     serve_file = load_serve_config()
@@ -203,6 +219,8 @@ def run(requests: int = 30, max_tokens: int = 48, quick: bool = False) -> dict:
         "exact_hit_p50_ms": http["exact_hit_ms"]["p50"],
         "semantic_hit_p50_ms": http["semantic_hit_ms"]["p50"],
         "miss_p50_ms": http["miss_ms"]["p50"],
+        "exact_hit_p50_ms_via_proxy": http["via_proxy"]["exact_hit_ms"]["p50"],
+        "semantic_hit_p50_ms_via_proxy": http["via_proxy"]["semantic_hit_ms"]["p50"],
         "lookup_p99_ms_10k": store["edge_10000"]["lookup_ms"]["p99"],
         "lookup_p99_ms_100k": big.get("p99", float("nan")),
         "near_miss_draft_speedup": near["speedup"],

@@ -6,7 +6,8 @@
    and ITL at the client, and each request's Server-Timing stages (p50 per stage: where the
    overhead goes). Every prompt carries its own number, so the cache lookup runs and misses (the
    semantic guards never match different numbers); `cache_outcomes` shows it. Then the same
-   prompts with `Cache-Control: no-cache`: the stack without the lookup's work.
+   prompts with `Cache-Control: no-cache`: the stack without the lookup's work. Clients use the
+   ingress's own listener (ingress.direct_port); a third set goes through Ray Serve's proxy.
 3. Tracing at 100% sampling (OTLP/HTTP to a receiver on loopback) against unsampled, on one
    service, in alternating blocks so the box's drift hits both alike: closed-loop throughput of
    generated requests (`tracing_throughput_ratio` = sampled / unsampled) and of cache hits (the
@@ -110,7 +111,7 @@ def run(
     rounds: int = 6, block: int = 8, clients: int = 4,
 ) -> dict:
     from bench.otlp_sink import OTLPSink
-    from bench.service import running_service
+    from bench.service import running_service, running_service_urls
 
     if quick:
         requests, rounds = min(requests, 6), 2
@@ -128,10 +129,14 @@ def run(
         def tweak(args) -> None:
             args.target.speculative.method = "none"
 
-        with running_service(serve_file, tweak=tweak) as base:
+        with running_service_urls(serve_file, tweak=tweak) as urls:
+            base = urls.best
             stack_samples(base, model, warm, 4)
             stack = stack_samples(base, model, measured, max_tokens)
             bare = stack_samples(base, model, prompts(requests, first=5000), max_tokens, headers=NO_CACHE)
+            # The same requests through Ray Serve's proxy instead of the ingress's own listener.
+            stack_samples(urls.proxy, model, warm, 4)
+            proxied = stack_samples(urls.proxy, model, prompts(requests, first=3000), max_tokens)
 
         def traced(args) -> None:
             args.telemetry.tracing = TracingConfig(exporter="otlp", endpoint=sink.endpoint, sample_ratio=1.0)
@@ -167,8 +172,11 @@ def run(
         "ttft_overhead_p50_ms_without_cache": round(p50(bare["ttft"]) - p50(engine_ttft), 2),
         "stages_without_cache": {name: p50(v) for name, v in bare["stages"].items()},
         "itl_p50_ms_stack_without_cache": p50(bare["itl"]),
+        # Through Ray Serve's proxy (http_options.port) rather than the ingress's direct listener.
+        "ttft_overhead_p50_ms_via_proxy": round(p50(proxied["ttft"]) - p50(engine_ttft), 2),
+        "stages_via_proxy": {name: p50(v) for name, v in proxied["stages"].items()},
         "ttft_ms": {"engine": summary(engine_ttft), "stack": summary(stack["ttft"]),
-                    "stack_without_cache": summary(bare["ttft"])},
+                    "stack_without_cache": summary(bare["ttft"]), "stack_via_proxy": summary(proxied["ttft"])},
         "itl_ms": {"engine": summary(engine_itl), "stack": summary(stack["itl"])},
         "ttft_ms_by_prompt_tokens": {"stack": by_prompt_length(stack["ttft"], stack["prompt_tokens"]),
                                      "stack_without_cache": by_prompt_length(bare["ttft"], bare["prompt_tokens"])},

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import httpx
 
@@ -36,13 +37,37 @@ def quiet_logging(serve_file: ServeFile) -> dict:
     return {**serve_file.logging_config, "log_level": "WARNING", "enable_access_log": False}
 
 
+@dataclass(frozen=True)
+class ServiceURLs:
+    proxy: str  # Ray Serve's proxy (http_options.port)
+    direct: str | None  # the ingress replicas' own listener (ingress.direct_port), if on
+
+    @property
+    def best(self) -> str:
+        """What a client on this box should use: the direct listener when there is one."""
+        return self.direct or self.proxy
+
+
 @contextlib.contextmanager
 def running_service(
     serve_file: ServeFile | None = None,
     tweak: Callable[[AppArgs], None] | None = None,
     startup_timeout_s: float = 300,
 ) -> Iterator[str]:
-    """Yield the base URL of a healthy service; shut Serve and Ray down afterwards."""
+    """Yield the base URL clients should use (the direct listener when the config has one)."""
+    with running_service_urls(serve_file, tweak, startup_timeout_s) as urls:
+        yield urls.best
+
+
+@contextlib.contextmanager
+def running_service_urls(
+    serve_file: ServeFile | None = None,
+    tweak: Callable[[AppArgs], None] | None = None,
+    startup_timeout_s: float = 300,
+) -> Iterator[ServiceURLs]:
+    """Start the graph; yield its URLs once healthy on each; shut Serve and Ray down afterwards.
+
+    Both ports are free ones picked here, so a run never collides with a service on 8000/8100."""
     import ray
     from ray import serve
 
@@ -53,6 +78,8 @@ def running_service(
     args = serve_file.args.model_copy(deep=True)
     if tweak:
         tweak(args)
+    if args.ingress.direct_port is not None:
+        args.ingress.direct_host, args.ingress.direct_port = "127.0.0.1", free_port()
     port = free_port()
     ray.init(
         num_cpus=8,  # logical CPUs: with the 2 real ones Ray can't place every replica and hangs
@@ -68,18 +95,20 @@ def running_service(
             name=serve_file.app_name,
             route_prefix=serve_file.route_prefix,
         )
-        base = f"http://127.0.0.1:{port}"
+        direct = f"http://127.0.0.1:{args.ingress.direct_port}" if args.ingress.direct_port is not None else None
+        urls = ServiceURLs(f"http://127.0.0.1:{port}", direct)
         deadline = time.monotonic() + startup_timeout_s
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"service did not become healthy in {startup_timeout_s:.0f} s")
-            time.sleep(0.5)
-        yield base
+        for base in filter(None, (urls.proxy, urls.direct)):
+            while True:
+                try:
+                    if httpx.get(base + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"service did not become healthy at {base} in {startup_timeout_s:.0f} s")
+                time.sleep(0.5)
+        yield urls
     finally:
         try:
             serve.shutdown()

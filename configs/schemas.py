@@ -362,6 +362,12 @@ class IngressConfig(_Strict):
     log_prompts: bool = Field(
         False, description="log each request's body, and error messages (which may quote it); API keys never are"
     )
+    direct_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="each ingress replica also serves the API on this port itself (SO_REUSEPORT), skipping Ray "
+        "Serve's proxy hop; None: only the proxy's port",
+    )
+    direct_host: str = Field("127.0.0.1", description="the direct listener's address (loopback unless fronted)")
 
 
 class TracingConfig(_Strict):

@@ -15,6 +15,7 @@ from deployments.transport import over
 from engines.model_store import resolve_model_dir
 from engines.types import GenerateRequest
 from ingress.api import build_api
+from ingress.direct import DirectListener
 from ingress.pipeline import ModelStream, Pipeline
 from ingress.prompts import PromptBuilder
 from router.base import RouteDecision, RouteFeatures
@@ -129,6 +130,14 @@ class Ingress:
         # the first real request finds the handles' replica sets already known.
         self.pipeline.ready = False
         self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats]))
+        self._direct = None
+        if config.ingress.direct_port is not None:
+            self._direct = DirectListener(build_api(self.pipeline), config.ingress.direct_host, config.ingress.direct_port)
+            self._direct.start()
+
+    def __del__(self) -> None:
+        if getattr(self, "_direct", None) is not None:
+            self._direct.stop()
 
     async def _gauges_forever(self, recorder: RequestMetrics) -> None:
         """Queue depth per model, once a second, off the request path."""

@@ -8,7 +8,7 @@ import os
 import httpx
 import pytest
 
-from bench.service import OFFLINE_ENV, running_service
+from bench.service import OFFLINE_ENV, running_service_urls
 from configs.schemas import EngineConfig, TenantLimits, TierConfig, TracingConfig
 from configs.serve_config import DEFAULT_SERVE_CONFIG, load_serve_config
 from ingress.context import tenant_from_headers
@@ -38,8 +38,9 @@ DOWNGRADE_TIER = "downgradable"
 
 
 class Service:
-    def __init__(self, base_url: str, serve_file) -> None:
-        self.base_url = base_url
+    def __init__(self, base_url: str, serve_file, proxy_url: str | None = None) -> None:
+        self.base_url = base_url  # the ingress's direct listener when on (what clients here should use)
+        self.proxy_url = proxy_url or base_url  # Ray Serve's proxy: the same API one hop further
         self.config = serve_file
         self.http = httpx.Client(base_url=base_url, timeout=120)
 
@@ -118,7 +119,7 @@ def service(serve_file, otlp_sink):
             requests_per_s=0.001, request_burst=1
         )
 
-    with running_service(serve_file, tweak=tighten) as base:
-        svc = Service(base, serve_file)
+    with running_service_urls(serve_file, tweak=tighten) as urls:
+        svc = Service(urls.best, serve_file, urls.proxy)
         yield svc
         svc.http.close()

@@ -29,11 +29,12 @@ def two_replicas(service):
     args = service.config.args.model_copy(deep=True)
     args.cache.enabled = False  # every turn must reach a model replica
     args.router.kind = "rules"
+    args.ingress.direct_port = None  # this app is reached through Ray Serve's proxy, at its route prefix
     options = {name: dict(opts) for name, opts in service.config.deployment_options.items()}
     options["TargetModel"]["num_replicas"] = 2
     assert "PrefixAffinityRouter" in options["TargetModel"]["request_router_config"]["request_router_class"]
     serve.run(build_graph(args, options, quiet_logging(service.config)), name="affinity", route_prefix="/affinity")
-    base = service.base_url + "/affinity"
+    base = service.proxy_url + "/affinity"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         try:

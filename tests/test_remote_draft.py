@@ -20,7 +20,7 @@ PROMPTS = [
 def remote_app(service):
     from ray import serve
 
-    from bench.service import quiet_logging
+    from bench.service import free_port, quiet_logging
     from deployments.app import build_graph
 
     args = service.config.args.model_copy(deep=True)
@@ -35,20 +35,22 @@ def remote_app(service):
     args.router.placement = "remote"
     args.ingress.overlap_cache_lookup = True
     args.cache.semantic.enabled = False
+    args.ingress.direct_port = free_port()  # its own front door (the proxy has it at /remote too)
     serve.run(
         build_graph(args, service.config.deployment_options, quiet_logging(service.config)),
         name="remote",
         route_prefix="/remote",
     )
+    base = f"http://127.0.0.1:{args.ingress.direct_port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
-            if httpx.get(service.base_url + "/remote/health", timeout=5).status_code == 200:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    yield service.base_url + "/remote"
+    yield base
     serve.delete("remote")
 
 
