@@ -7,7 +7,8 @@
    overhead goes). Every prompt carries its own number, so the cache lookup runs and misses (the
    semantic guards never match different numbers); `cache_outcomes` shows it. Then the same
    prompts with `Cache-Control: no-cache`: the stack without the lookup's work. Clients use the
-   ingress's own listener (ingress.direct_port); a third set goes through Ray Serve's proxy.
+   ingress's own listener (ingress.direct_port); a third set goes through Ray Serve's proxy. The
+   three sets take turns, a request each, so the box's drift hits them alike.
 3. Tracing at 100% sampling (OTLP/HTTP to a receiver on loopback) against unsampled, on one
    service, in alternating blocks so the box's drift hits both alike: closed-loop throughput of
    generated requests (`tracing_throughput_ratio` = sampled / unsampled) and of cache hits (the
@@ -106,6 +107,24 @@ def _plot(engine: list[float], stack: list[float], bare: list[float], path: Path
     plt.close(fig)
 
 
+def _interleaved(sets: dict[str, tuple[str, list, dict | None]], model: str, max_tokens: int) -> dict[str, dict]:
+    """`stack_samples` for each (base URL, prompts, headers) set, one request from each in turn."""
+    merged = {name: {"ttft": [], "itl": [], "stages": {}, "outcomes": {}, "prompt_tokens": []} for name in sets}
+    rounds = max(len(convs) for _, convs, _ in sets.values())
+    for i in tqdm(range(rounds), desc="through the stack (" + ", ".join(sets) + ")", unit="round"):
+        for name, (base, convs, headers) in sets.items():
+            if i >= len(convs):
+                continue
+            one, into = stack_samples(base, model, convs[i : i + 1], max_tokens, headers, progress=False), merged[name]
+            for key in ("ttft", "itl", "prompt_tokens"):
+                into[key].extend(one[key])
+            for stage, values in one["stages"].items():
+                into["stages"].setdefault(stage, []).extend(values)
+            for outcome, count in one["outcomes"].items():
+                into["outcomes"][outcome] = into["outcomes"].get(outcome, 0) + count
+    return merged
+
+
 def run(
     requests: int = 24, max_tokens: int = 24, quick: bool = False, out: str | None = None,
     rounds: int = 6, block: int = 8, clients: int = 4,
@@ -132,11 +151,16 @@ def run(
         with running_service_urls(serve_file, tweak=tweak) as urls:
             base = urls.best
             stack_samples(base, model, warm, 4)
-            stack = stack_samples(base, model, measured, max_tokens)
-            bare = stack_samples(base, model, prompts(requests, first=5000), max_tokens, headers=NO_CACHE)
-            # The same requests through Ray Serve's proxy instead of the ingress's own listener.
             stack_samples(urls.proxy, model, warm, 4)
-            proxied = stack_samples(urls.proxy, model, prompts(requests, first=3000), max_tokens)
+            # Three sets, a request from each in turn so the box's drift hits them alike: the
+            # ingress's own listener with the cache lookup (the headline) and without it, and
+            # Ray Serve's proxy with the lookup.
+            sets = _interleaved({
+                "stack": (base, measured, None),
+                "bare": (base, prompts(requests, first=5000), NO_CACHE),
+                "proxied": (urls.proxy, prompts(requests, first=3000), None),
+            }, model, max_tokens)
+            stack, bare, proxied = sets["stack"], sets["bare"], sets["proxied"]
 
         def traced(args) -> None:
             args.telemetry.tracing = TracingConfig(exporter="otlp", endpoint=sink.endpoint, sample_ratio=1.0)

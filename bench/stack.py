@@ -79,7 +79,9 @@ def engine_direct_samples(stage_config, conversations, max_tokens: int) -> tuple
     return ttft, itl
 
 
-def stack_samples(base_url: str, model: str, convs, max_tokens: int, headers: dict | None = None) -> dict:
+def stack_samples(
+    base_url: str, model: str, convs, max_tokens: int, headers: dict | None = None, progress: bool = True
+) -> dict:
     """Through the whole graph, one request at a time, streamed over loopback with a lean HTTP
     client (the openai SDK's own parsing would be charged to the stack): TTFT and ITL at the
     client, Server-Timing entries, x-cache outcomes and prompt tokens."""
@@ -89,7 +91,8 @@ def stack_samples(base_url: str, model: str, convs, max_tokens: int, headers: di
     outcomes: dict[str, int] = {}
     prompt_tokens: list[int] = []
     with httpx.Client(base_url=base_url, timeout=120) as http:
-        for conv in tqdm(convs, desc="through the stack" + (" (no-cache)" if headers else ""), unit="req"):
+        for conv in tqdm(convs, desc="through the stack" + (" (no-cache)" if headers else ""), unit="req",
+                         disable=not progress):
             body = {"model": model, "messages": conv, "temperature": 0, "max_tokens": max_tokens, "stream": True,
                     "stream_options": {"include_usage": True}}
             start = time.perf_counter()
