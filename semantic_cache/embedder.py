@@ -29,6 +29,13 @@ def model_path() -> str:
 
 class Embedder:
     def __init__(self, path: str | None = None, num_threads: int = 1) -> None:
+        # Every torch call, loading included, runs on this one thread: with num_threads > 1 a
+        # second calling thread would get OpenMP's second thread team on the same cores, and
+        # every parallel region in the process ran ~3x slower here once two teams existed.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
+        self._executor.submit(self._load, path, num_threads).result()
+
+    def _load(self, path: str | None, num_threads: int) -> None:
         import torch
         from sentence_transformers import SentenceTransformer
 
@@ -36,9 +43,8 @@ class Embedder:
         # Loading from the package's directory makes no network call.
         self.model = SentenceTransformer(path or model_path(), device="cpu")
         self.dimensions = self.model.get_embedding_dimension() or DIMENSIONS
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
         self.lean = self._lean_encoder()
-        self.embed("warm up")  # the first call pays for lazy initialisation; not a request
+        self._embed("warm up")  # the first call pays for lazy initialisation; not a request
 
     def _lean_encoder(self):
         """The lean single-text forward (semantic_cache/lean_bert.py) when this model is BERT
@@ -54,18 +60,24 @@ class Embedder:
             log.info("embedding through the modules: %s", exc)
             return None
         probe = "Is the lean forward pass the same as the modules' one, token for token?"
-        if float(np.dot(lean.embed(probe), self.embed_modules(probe))) < 0.99999:
+        if float(np.dot(lean.embed(probe), self._embed_modules(probe))) < 0.99999:
             log.warning("lean MiniLM forward disagrees with sentence-transformers; using the modules")
             return None
         return lean
 
     def embed(self, text: str) -> np.ndarray:
         """Unit-length float32 vector, so cosine similarity is a dot product."""
+        return self._executor.submit(self._embed, text).result()
+
+    def _embed(self, text: str) -> np.ndarray:
         if self.lean is not None:
             return self.lean.embed(text)
-        return self.embed_modules(text)
+        return self._embed_modules(text)
 
     def embed_modules(self, text: str) -> np.ndarray:
+        return self._executor.submit(self._embed_modules, text).result()
+
+    def _embed_modules(self, text: str) -> np.ndarray:
         """One text straight through sentence-transformers' modules: `encode` adds ~2 ms of
         batching bookkeeping per call here, and the vector is the same (max difference ~1e-8)."""
         import torch
@@ -76,9 +88,12 @@ class Embedder:
         return vector / max(float(np.linalg.norm(vector)), 1e-12)
 
     def embed_many(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+        return self._executor.submit(self._embed_many, texts, batch_size).result()
+
+    def _embed_many(self, texts: list[str], batch_size: int) -> np.ndarray:
         return self.model.encode(
             texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
         ).astype(np.float32)
 
     async def embed_async(self, text: str) -> np.ndarray:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.embed, text)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed, text)
