@@ -37,7 +37,7 @@ class CancelOnDisconnect:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        inbox: asyncio.Queue = asyncio.Queue()
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=16)  # a body the app stopped reading is not buffered on
         complete = disconnected = False
 
         async def tracked_send(message) -> None:
@@ -52,7 +52,7 @@ class CancelOnDisconnect:
             nonlocal disconnected
             while True:
                 message = await receive()
-                inbox.put_nowait(message)
+                await inbox.put(message)
                 if message["type"] == "http.disconnect":
                     if not complete:
                         disconnected = True
