@@ -102,22 +102,24 @@ async def _point(service, prompts: list[list[int]], concurrency: int, max_tokens
     return await _streams(one, concurrency, waves, ttft, itl)
 
 
+async def _alone(service, prompts: list[list[int]], engine: str, max_tokens: int, waves: int) -> list[dict]:
+    """The engine called directly (no graph), at every concurrency level."""
+    runs = []
+    for c in CONCURRENCY:
+        point = await _point(service, prompts, c, max_tokens, waves)
+        runs.append({"engine": engine, "behind_graph": False, "device": _device(), **point})
+        print(runs[-1], flush=True)
+    return runs
+
+
 def _transformers_runs(max_tokens: int, waves: int) -> list[dict]:
     from engines.service import ModelService
 
     service = ModelService(load_serve_config().args.target)
     prompts = _prompts(service.engine.tokenizer)
 
-    async def all_points() -> list[dict]:  # one event loop: the service's asyncio primitives bind to it
-        runs = []
-        for c in CONCURRENCY:
-            point = await _point(service, prompts, c, max_tokens, waves)
-            runs.append({"engine": "transformers", "behind_graph": False, "device": _device(), **point})
-            print(runs[-1], flush=True)
-        return runs
-
-    try:
-        return asyncio.run(all_points())
+    try:  # one event loop for every point: the service's asyncio primitives bind to it
+        return asyncio.run(_alone(service, prompts, "transformers", max_tokens, waves))
     finally:
         service.executor.shutdown()
 
@@ -142,13 +144,7 @@ def _vllm_runs(max_tokens: int, waves: int) -> list[dict]:
         service = VLLMService(stage)
         try:
             await service.warmup()
-            prompts = _prompts(service.engine.tokenizer)
-            runs = []
-            for c in CONCURRENCY:
-                point = await _point(service, prompts, c, max_tokens, waves)
-                runs.append({"engine": "vllm", "behind_graph": False, "device": _device(), **point})
-                print(runs[-1], flush=True)
-            return runs
+            return await _alone(service, _prompts(service.engine.tokenizer), "vllm", max_tokens, waves)
         finally:
             service.close()
 

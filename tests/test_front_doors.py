@@ -45,4 +45,3 @@ def test_both_doors_stream_and_reject_bad_input_with_openai_errors(door):
     bad = httpx.post(door + "/v1/chat/completions", content=b"{not json", timeout=30,
                      headers={"content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["message"]
-
