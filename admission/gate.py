@@ -201,15 +201,18 @@ class AdmissionGate:
         no one (a prompt too long for the TTFT target would get 503s forever). An idle model on
         a busy box takes a request whose first token it can deliver in time, even if the whole
         answer is predicted late (output length is a guess), but not one that would hold the
-        shared cores past its TTFT target while others wait."""
-        if self.concurrency() == 0:
-            return True
-        if not self._idle(t.model_id):
+        shared cores past its TTFT target while others wait. Either way, a request whose first
+        token could not even arrive before its end-to-end deadline is shed: it is hopeless."""
+        idle_box = self.concurrency() == 0
+        if not idle_box and not self._idle(t.model_id):
             return False
-        if t.ttft_deadline is None or self.estimates[t.model_id].itl.levels == {}:
+        if self.estimates[t.model_id].itl.levels == {}:
             return True  # nothing measured yet: try it, and learn
         first_ms, _ = self._service_ms(t, self.concurrency() + 1)
-        return now + (first_ms + self._prefills_ahead_ms(now)) / 1000 <= t.ttft_deadline
+        first_at = now + (first_ms + self._prefills_ahead_ms(now)) / 1000
+        if t.deadline is not None and first_at > t.deadline:
+            return False
+        return idle_box or t.ttft_deadline is None or first_at <= t.ttft_deadline
 
     def predict(self, t: Ticket, ahead: list[Ticket], now: float) -> Prediction:
         """When `t` would start and finish if it waited behind `ahead`: each departure of a

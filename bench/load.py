@@ -51,6 +51,7 @@ class Outcome:
     code: str | None = None
     route: str | None = None
     predicted_ttft_ms: float | None = None  # x-admission-predicted, when admission admitted it
+    server_timing: str = ""  # a shed's Server-Timing: where the server spent the time to shed
 
     @property
     def good(self) -> bool:
@@ -101,6 +102,7 @@ async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, de
             if resp.status_code != 200:
                 raw = await resp.aread()
                 out.e2e_ms = (time.perf_counter() - start) * 1000
+                out.server_timing = resp.headers.get("server-timing", "")
                 try:
                     out.code = json.loads(raw)["error"]["code"]
                 except Exception:
@@ -222,11 +224,36 @@ def _point(outcomes: list[Outcome], window_s: float, load_factor: float, admissi
         "shed_at_arrival_p99_ms": _p([o.e2e_ms for o in shed if o.code != "deadline_in_queue"], 0.99),
         "dropped_in_queue": sum(o.code == "deadline_in_queue" for o in shed),
         "shed_codes": _count(o.code for o in shed),
+        **_shed_profile(shed),
         "errors": _count(o.code for o in outcomes if o.kind == "error"),
         "abandoned": sum(o.kind == "abandoned" for o in outcomes),
         "lost": sum(o.kind == "lost" for o in outcomes),
         "routes": routes,
         **(_calibration(admitted) if admission else {}),
+    }
+
+
+def _timing(header: str) -> dict[str, float]:
+    """`Server-Timing` -> {stage: ms}."""
+    out = {}
+    for entry in header.split(","):
+        name, _, rest = entry.strip().partition(";dur=")
+        if rest:
+            out[name] = float(rest)
+    return out
+
+
+def _shed_profile(shed: list[Outcome]) -> dict:
+    """Where the slowest sheds at arrival spent their time: the server's own total against
+    the client's, and how many were decided only after the cache lookup and routing."""
+    at_arrival = [o for o in shed if o.code != "deadline_in_queue"]
+    timings = [_timing(o.server_timing) for o in at_arrival]
+    totals = [t["total"] for t in timings if "total" in t]
+    slowest = sorted(zip(at_arrival, timings), key=lambda x: -x[0].e2e_ms)[:3]
+    return {
+        "shed_at_arrival_server_p99_ms": _p(totals, 0.99),
+        "shed_after_routing": sum(1 for t in timings if "route" in t or "lookup" in t),
+        "shed_slowest": [{"client_ms": round(o.e2e_ms, 1), "code": o.code, "server": t} for o, t in slowest],
     }
 
 

@@ -84,3 +84,35 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     log.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
+
+
+_GGUF_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "f32": "LLAMA_FTYPE_ALL_F32"}
+
+
+def requantized_gguf(gguf_path: Path, quant: str, cache_dir: str | None = None) -> Path:
+    """A copy of a GGUF file requantized to `quant` (llama.cpp's own quantizer, ~2 s for
+    SmolLM2), made once under the cache dir; concurrent replicas wait on a file lock."""
+    import ctypes
+
+    import llama_cpp
+
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    target = root / f"{gguf_path.stem}.{quant}.gguf"
+    if target.is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock", timeout=600):
+        if target.is_file():
+            return target
+        start = time.monotonic()
+        tmp = target.with_name(target.name + ".tmp")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, _GGUF_TYPES[quant])
+        params.allow_requantize = True  # from the already-quantized weights: exactly what they hold
+        params.nthread = 2
+        if llama_cpp.llama_model_quantize(str(gguf_path).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"llama.cpp could not requantize {gguf_path.name} to {quant}")
+        tmp.rename(target)
+        log.info("requantized %s to %s in %.1f s", gguf_path.name, quant, time.monotonic() - start)
+    return target

@@ -210,6 +210,7 @@ class Pipeline:
         except APIError as err:
             shed = err.code if err.code in SHED_REASONS else None
             response = err.response()
+            response.headers["server-timing"] = clock.server_timing()  # a 4xx/503 says where its time went too
             if trace is not None and trace.sampled:
                 trace.attributes["error.type"] = err.code
             return response

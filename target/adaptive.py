@@ -129,6 +129,9 @@ class KChooser:
         # How often a free drafter (prompt lookup) carries a step: the model draft's one-off
         # catch-up only pays back over the steps the free drafters leave to it.
         self.free_share = Ema(0.5, weight=0.2)
+        # ... and what its tokens cost (verify ms per emitted token): where a model draft would
+        # be cheaper still, it takes those steps over too once started.
+        self.free_token_ms: Ema | None = None
         self.started: set[str] = set()  # model drafters that have ingested the prompt
         self.steps = 0
         self._plain_rounds = 0
@@ -171,7 +174,12 @@ class KChooser:
         if catch_up_ms > 0 and source not in self.started:
             if self.steps < self.OBSERVE_STEPS:
                 return 0, self.plain_rate()  # too early to know whether prompt lookup will carry us
-            horizon = max(1, int(remaining * (1 - self.free_share.value)))
+            # It pays back over the steps it would carry: those the free drafters leave to plain
+            # decoding, and theirs too where its tokens come cheaper than theirs.
+            share = self.free_share.value
+            if self.free_token_ms is not None and self._model_token_ms(a, d, cap) < self.free_token_ms.value:
+                share = 0.0
+            horizon = max(1, int(remaining * (1 - share)))
             one_off, per_round = catch_up_ms, 0.0
         best_k, best_rate = 0, self.plain_rate()
         for k in range(1, cap + 1):
@@ -181,6 +189,12 @@ class KChooser:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
+
+    def _model_token_ms(self, a: float, d: float, cap: int) -> float:
+        """A drafter's best ms per emitted token once it has caught up."""
+        return min(
+            (k * d + self.costs.verify_ms(k + 1)) * (1 - a) / (1 - a ** (k + 1)) for k in range(1, cap + 1)
+        )
 
     def note_step(self, free_used: bool) -> None:
         """Record whether a free drafter carried this step."""
@@ -195,7 +209,9 @@ class KChooser:
             return True
         return False
 
-    def observe(self, source: str, proposed: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+    def observe(
+        self, source: str, proposed: int, accepted: int, draft_ms: float, verify_ms: float, free: bool = False
+    ) -> None:
         if proposed <= 0:
             return
         self._plain_rounds = 0
@@ -208,3 +224,9 @@ class KChooser:
         self.costs.observe_verify(proposed + 1, verify_ms)
         if draft_ms > 0:  # free drafters report 0: they must not drag the model draft's cost down
             self.costs.draft_per_token.update(draft_ms / proposed)
+        if free:
+            token_ms = verify_ms / (accepted + 1)
+            if self.free_token_ms is None:
+                self.free_token_ms = Ema(token_ms, weight=0.3)
+            else:
+                self.free_token_ms.update(token_ms)

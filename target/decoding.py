@@ -126,7 +126,8 @@ class Generation:
         spec.draft_ms += (t1 - t0) * 1000
         spec.verify_ms += (t2 - t1) * 1000
         spec.chooser.observe(
-            proposer.name, len(proposal.tokens), len(verdict.accepted), proposal.marginal_ms, (t2 - t1) * 1000
+            proposer.name, len(proposal.tokens), len(verdict.accepted), proposal.marginal_ms, (t2 - t1) * 1000,
+            free=proposer.free,
         )
         if not proposer.free:
             spec.chooser.started.add(proposer.name)

@@ -235,6 +235,9 @@ def test_an_idle_model_on_a_busy_box_takes_what_it_can_start_in_time():
     assert gate.check(long).reason == "deadline_unmeetable"
     gate.running.clear()  # an idle box takes even the long prompt: turning it away helps no one
     assert gate.would_meet(long)
+    # ... but not one whose first token can't even arrive before its end-to-end deadline.
+    hopeless = Ticket("m", "t", 0, 100, 10, deadline=time.monotonic() + 0.04, ttft_deadline=time.monotonic() + 1)
+    assert gate.check(hopeless).reason == "deadline_unmeetable"
 
 
 def test_a_request_larger_than_the_token_burst_goes_through_on_a_full_bucket_and_leaves_a_debt():
