@@ -116,16 +116,20 @@ class ModelEstimates:
     overhead_ms: Ewma = field(default_factory=lambda: Ewma(0.2))  # time to first token beyond prefill
     output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
     itl: ByConcurrency = field(default_factory=ByConcurrency)
+    # Time between a request's chunks: one engine step (a batched decode step, or a speculative
+    # round of several tokens). A new request's prefill waits for the step in progress, which
+    # for a lone speculating request is ~5-9 ITLs long.
+    step: ByConcurrency = field(default_factory=ByConcurrency)
     max_age_s: float = MAX_AGE_S
     half_life_s: float = STALE_HALF_LIFE_S
 
     def __post_init__(self) -> None:
-        for by in self.prefill_ms_per_token, self.itl:
+        for by in self.prefill_ms_per_token, self.itl, self.step:
             by.max_age_s, by.half_life_s = self.max_age_s, self.half_life_s
 
     def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
                 completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,
-                start_concurrency: float | None = None) -> None:
+                start_concurrency: float | None = None, chunks: int = 0) -> None:
         if prefill_ms is not None and prompt_tokens > 0:
             self.prefill_ms_per_token.add(start_concurrency or concurrency, prefill_ms / prompt_tokens)
             self.overhead_ms.add(max(0.0, ttft_ms - queue_ms - prefill_ms))
@@ -133,6 +137,8 @@ class ModelEstimates:
             self.output_fraction.add(min(1.0, completion_tokens / max_tokens))
         if completion_tokens > 1 and decode_ms > 0:
             self.itl.add(concurrency, decode_ms / (completion_tokens - 1))
+        if chunks > 0 and decode_ms > 0:
+            self.step.add(concurrency, decode_ms / chunks)
 
     def prefill_ms(self, prompt_tokens: int, concurrency: float = 1.0) -> float:
         per_token = self.prefill_ms_per_token.at(concurrency, self.prior_prefill_ms_per_token)
@@ -147,8 +153,15 @@ class ModelEstimates:
         """Decode ms/token with this many sequences in flight (on the box)."""
         return self.itl.at(concurrency, self.prior_itl_ms)
 
+    def step_ms(self, concurrency: float) -> float:
+        """One engine step with this many sequences in flight (until measured: one ITL)."""
+        if not self.step.levels:
+            return self.itl_ms(concurrency)
+        return max(self.itl_ms(concurrency), self.step.at(concurrency, self.prior_itl_ms))
+
     def snapshot(self) -> dict:
         return {
+            "step_ms_by_concurrency": self.step.snapshot(),
             "prefill_ms_per_token_by_concurrency": self.prefill_ms_per_token.snapshot(),
             "overhead_ms": _round(self.overhead_ms.value),
             "output_fraction": _round(self.output_fraction.value),

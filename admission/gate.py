@@ -152,8 +152,10 @@ class AdmissionGate:
         """(time to first token, time to last token) once started, at this concurrency."""
         est = self.estimates[t.model_id]
         itl = est.itl_ms(concurrency)
-        # A batching engine finishes the step in progress before taking a new sequence in.
-        first = (est.prefill_ms(t.prompt_tokens, concurrency) + (itl if concurrency > 1 else 0.0)) * self.bias()
+        # The engine finishes the step in progress before it prefills a new sequence: a batched
+        # decode step, or a lone request's whole speculative round.
+        step = est.step_ms(concurrency - 1) if concurrency > 1 and not self._idle(t.model_id) else 0.0
+        first = (est.prefill_ms(t.prompt_tokens, concurrency) + step) * self.bias()
         return first * self.safety, (first + est.expected_tokens(t.max_tokens) * itl) * self.safety
 
     def bias(self) -> float:

@@ -84,15 +84,16 @@ class AdmissionPolicy:
             deadline=ctx.target_deadline, ttft_deadline=ctx.ttft_deadline, arrived=ctx.received,
         )
 
-    def shed_early(self, candidates: list[Ticket]) -> None:
+    def shed_early(self, candidates: list[Ticket]) -> list[bool]:
         """Shed now, before the cache lookup and routing, when no model that could answer the
         request could take it: under overload the answer comes in microseconds, not after
-        the lookup's hops and the embedding."""
+        the lookup's hops and the embedding. Returns which candidates could take it."""
         rejections = [self.gate.check(t) for t in candidates]
         if candidates and all(r is not None for r in rejections):
             rej = rejections[0]
             assert rej is not None
             raise _shed(candidates[0], self.gate.count(rej))
+        return [r is None for r in rejections]
 
     async def admit(self, ticket: Ticket) -> None:
         """Start, queue (EDF within tier), or 503 with the prediction and a Retry-After."""
@@ -102,13 +103,13 @@ class AdmissionPolicy:
             raise _shed(ticket, rej) from None
 
     def observe(self, ticket: Ticket, *, ttft_ms: float, queue_ms: float, prefill_ms: float | None,
-                completion_tokens: int, total_ms: float) -> None:
+                completion_tokens: int, total_ms: float, chunks: int = 0) -> None:
         """A finished request updates the service-time estimates of its model."""
         concurrency = (ticket.concurrency_at_start + self.gate.concurrency()) / 2
         self.estimates[ticket.model_id].observe(
             prompt_tokens=ticket.prompt_tokens, prefill_ms=prefill_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
-            concurrency=concurrency, start_concurrency=ticket.concurrency_at_start,
+            concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks,
         )
 
     # ------------------------------------------------------------------ the controller's view

@@ -124,6 +124,7 @@ class ModelService:
 
         draft_ms = 0.05  # n-gram / hint lookups are practically free
         prefill_ms = 0.0
+        priors: dict[str, float] = {}
         if self.draft_engine is not None:
             dseq = self.draft_engine.new_sequence()
             # A prompt no context has seen: the warm-up's would be mostly reused from the draft's
@@ -140,7 +141,10 @@ class ModelService:
                 samples.append((time.perf_counter() - t) * 1000)
             self.draft_engine.release(dseq)
             draft_ms = sorted(samples)[len(samples) // 2]
-        costs = CostModel.calibrate(score, spec.k_max, draft_ms, spec.prior_acceptance, prefill_ms)
+            priors["model"] = self._draft_agreement(fresh)
+        costs = CostModel.calibrate(
+            score, spec.k_max, draft_ms, spec.prior_acceptance, prefill_ms, acceptance_priors=priors
+        )
         self.engine.release(seq)
         log.info(
             "%s speculation: verify ms by tokens %s, draft %.1f ms/token, draft prefill %.1f ms/token",
@@ -150,6 +154,29 @@ class ModelService:
             prefill_ms,
         )
         return costs
+
+    AGREEMENT_TOKENS = 16
+
+    def _draft_agreement(self, prompt: list[int]) -> float:
+        """How often the draft picks the target's greedy token after `prompt`: the model
+        drafter's acceptance prior. The configured prior is a guess for any draft; this one
+        (llama.cpp on the target's own GGUF agrees ~98%) lets the first requests draft long."""
+        seq = self.engine.new_sequence()
+        logits = self.engine.prefill(seq, prompt)
+        target = []
+        for _ in range(self.AGREEMENT_TOKENS):
+            target.append(int(logits.argmax()))
+            logits = self.engine.decode_step(seq, target[-1])
+        self.engine.release(seq)
+        dseq = self.draft_engine.new_sequence()
+        logits = self.draft_engine.prefill(dseq, prompt)
+        agree = 0
+        for token in target:
+            agree += int(logits.argmax()) == token
+            logits = self.draft_engine.decode_step(dseq, token)
+        self.draft_engine.release(dseq)
+        # Kept off the extremes: 16 tokens are a small sample.
+        return min(0.95, max(0.3, agree / len(target)))
 
     def snapshot(self) -> dict[str, float]:
         """The counters, plus the prefix cache's (hit rate, blocks, memory) where the engine has one."""

@@ -117,6 +117,7 @@ class Prepared:
     route: str = ""  # why: RouteDecision.reason
     cache_state: str = "none"  # hit / miss / hint / bypass
     engine_queue_ms: float = 0.0  # the model replica's queue and prefill, from its first chunk
+    decode_chunks: int = 0  # chunks with tokens after the first: the engine steps it took
     prefill_ms: float | None = None
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
 
@@ -458,23 +459,32 @@ class Pipeline:
             # Hopeless for every model that could answer: shed now, before waiting on the lookup
             # or routing (the exact-match hop already in flight is cancelled), so a shed answer
             # costs microseconds here even under load. Even a would-be cache hit is shed.
+            forced: RouteDecision | None = None
             if p.mode == "predictive":
-                models = [p.requested_model]
-                if p.requested_model == self.args.router.auto_model_id:
-                    models = [self.args.target.engine.model_id, self.args.draft.engine.model_id]
-                self.admission.shed_early(
+                auto = p.requested_model == self.args.router.auto_model_id
+                large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
+                models = [large, small] if auto else [p.requested_model]
+                feasible = self.admission.shed_early(
                     [self.admission.ticket(m, ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
                 )
+                if auto and p.tier.downgrade and feasible == [False, True]:
+                    # Only the small model can make the deadline and the tier allows it: whatever
+                    # the router would say, admission would downgrade. Skip routing (its embedding
+                    # costs 15-80 ms on a loaded box) and go there now.
+                    forced = RouteDecision(small, "deadline_downgrade")
+                    p.notes["x-admission"] = "downgraded; the large model could not meet the deadline"
             clock.stage("admit")
-            routing = asyncio.ensure_future(self._route(p))  # in parallel with the lookup
+            routing = asyncio.ensure_future(self._route(p)) if forced is None else None  # beside the lookup
             if lookup is not None and not self.args.ingress.overlap_cache_lookup:
                 found, lookup = await lookup, None
                 clock.stage("lookup")
                 if found.outcome == "hit":  # hits take no admission slot: they are served even at capacity
-                    routing.cancel()
+                    if routing is not None:
+                        routing.cancel()
                     return self._cached(p, found)
                 hint = found if found.outcome == "hint" else None
-            decision = await routing
+            decision = await routing if routing is not None else forced
+            assert decision is not None
             clock.stage("route")
             permit, decision = await self._admit(p, decision)
             clock.stage("queue")
@@ -616,6 +626,7 @@ class Pipeline:
             prefill_ms=p.prefill_ms,
             completion_tokens=last.completion_tokens,
             total_ms=(now - p.admitted_at) * 1000,
+            chunks=p.decode_chunks,
         )
 
     async def _retry(
@@ -750,6 +761,8 @@ class Pipeline:
     def _token_gap(self, p: Prepared, chunk: GenerateChunk, last_at: float) -> float:
         """Inter-token latency of a chunk, as the ingress saw it arrive; returns its arrival."""
         now = time.perf_counter()
+        if chunk.num_tokens:
+            p.decode_chunks += 1
         if self.metrics is not None and chunk.num_tokens:
             self.metrics.tokens(p.model, now - last_at, chunk.num_tokens)
         return now if chunk.num_tokens else last_at

@@ -55,6 +55,7 @@ class CostModel:
         draft_ms_per_token: float,
         prior_acceptance: float,
         draft_prefill_ms_per_token: float = 0.0,
+        acceptance_priors: dict[str, float] | None = None,
     ) -> None:
         assert len(verify_ms) >= k_max + 1
         self.k_max = k_max
@@ -62,12 +63,14 @@ class CostModel:
         self.draft_per_token = Ema(draft_ms_per_token)
         self.draft_prefill_per_token = draft_prefill_ms_per_token  # a draft catching up on context
         self.prior_acceptance = prior_acceptance
+        self.acceptance_priors = dict(acceptance_priors or {})  # per drafter, measured (else the prior)
         self.acceptance: dict[str, Acceptance] = {}
         # As measured at start-up (the EMAs above then follow live rounds).
         self.calibrated = {
             "verify_ms_by_tokens": [round(v.value, 1) for v in self.verify],
             "draft_ms_per_token": round(draft_ms_per_token, 2),
             "draft_prefill_ms_per_token": round(draft_prefill_ms_per_token, 2),
+            "acceptance_priors": {k: round(v, 3) for k, v in self.acceptance_priors.items()},
         }
 
     @classmethod
@@ -79,6 +82,7 @@ class CostModel:
         prior_acceptance: float,
         draft_prefill_ms_per_token: float = 0.0,
         reps: int = 5,
+        acceptance_priors: dict[str, float] | None = None,
     ):
         """Time `score_fn(m)` (a forward pass over m tokens) for m = 1..k_max+1.
 
@@ -100,7 +104,7 @@ class CostModel:
         slope = sum((m - mean_m) * (v - mean_v) for m, v in zip(ms, best)) / sum((m - mean_m) ** 2 for m in ms)
         slope = max(slope, 0.0)
         fitted = [max(mean_v + slope * (m - mean_m), best[0] * 0.5) for m in ms]
-        return cls(k_max, fitted, draft_ms_per_token, prior_acceptance, draft_prefill_ms_per_token)
+        return cls(k_max, fitted, draft_ms_per_token, prior_acceptance, draft_prefill_ms_per_token, acceptance_priors)
 
     def verify_ms(self, m: int) -> float:
         return self.verify[min(m, len(self.verify)) - 1].value
@@ -110,7 +114,8 @@ class CostModel:
 
     def replica_acceptance(self, source: str) -> Acceptance:
         if source not in self.acceptance:
-            self.acceptance[source] = Acceptance(self.prior_acceptance, prior_weight=4.0, decay=0.98)
+            prior = self.acceptance_priors.get(source, self.prior_acceptance)
+            self.acceptance[source] = Acceptance(prior, prior_weight=4.0, decay=0.98)
         return self.acceptance[source]
 
 

@@ -278,3 +278,22 @@ def test_ttft_predictions_are_scaled_by_how_late_first_tokens_really_came():
         first_token_after(0.1)  # faster than predicted: the bias falls, to no less than 1
     assert gate.ttft_bias.value < 1.0 and gate.bias() == 1.0
     assert gate._service_ms(probe, 1)[0] == pytest.approx(220.0)
+
+
+def test_a_new_prefill_is_predicted_to_wait_for_the_step_in_progress_a_speculative_round_included():
+    gate = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 1.0), safety=1.0)
+    est = gate.estimates["m"]
+    for _ in range(3):  # alone, 41 tokens came in 8 chunks after the first: rounds of ~5 drafts
+        est.observe(prompt_tokens=100, prefill_ms=100.0, ttft_ms=100.0, queue_ms=0.0, completion_tokens=41,
+                    max_tokens=64, decode_ms=400.0, concurrency=1, chunks=8)
+    assert est.itl_ms(1) == pytest.approx(10.0) and est.step_ms(1) == pytest.approx(50.0)
+    now = time.monotonic()
+    t = Ticket("m", "t", 0, 100, 16, deadline=now + 60, ttft_deadline=now + 0.15)
+    gate.running.add(Ticket("other-model", "t", 0, 10, 10))  # the box is busy, model m idle: no step to wait for
+    assert gate._service_ms(t, 2)[0] == pytest.approx(est.prefill_ms(100, 2))
+    assert gate.would_meet(t)
+    gate.running.clear()
+    gate.running.add(Ticket("m", "t", 0, 10, 10))  # m runs one request: its whole round comes first
+    first, _ = gate._service_ms(t, 2)
+    assert first == pytest.approx(est.prefill_ms(100, 2) + 50.0)
+    assert not gate._fits_now(t, time.monotonic()), "~150 ms of prefill + a 50 ms round miss a 150 ms TTFT target"

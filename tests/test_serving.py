@@ -563,6 +563,8 @@ def test_auto_request_is_downgraded_when_only_the_small_model_can_meet_its_deadl
                 assert resp.status_code == 200, resp.read()
                 assert resp.headers["x-route"].startswith(SMALL + ";reason=deadline_downgrade")
                 assert resp.headers["x-admission"].startswith("downgraded")
+                # Decided at arrival: routing (and its embedding) was skipped, not overruled.
+                assert "route.decide" not in resp.headers["server-timing"], resp.headers["server-timing"]
                 # The gate's promise comes back (an idle model takes a request whose first token
                 # is in time even when the whole answer is predicted late: e2e may exceed 4 s).
                 predicted = dict(kv.strip().split("=") for kv in resp.headers["x-admission-predicted"].split(";"))
