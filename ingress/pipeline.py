@@ -54,6 +54,7 @@ from ingress.protocol import ChatCompletionRequest, CompletionRequest
 from ingress.responses import Kind, SSEWriter, full_response
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
+from router.rules import fixed_route
 from router.load import LoadTracker
 from semantic_cache.cache import CacheEntry, Lookup
 from semantic_cache.exact import CachedResponse, ExactCache
@@ -464,6 +465,8 @@ class Pipeline:
                 auto = p.requested_model == self.args.router.auto_model_id
                 large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
                 models = [large, small] if auto else [p.requested_model]
+                if auto and not p.tier.downgrade and fixed_route(self.args.router, p.features, large) is not None:
+                    models = [large]  # too big for the small model, and no downgrade: only large counts
                 feasible = self.admission.shed_early(
                     [self.admission.ticket(m, ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
                 )

@@ -575,3 +575,21 @@ def test_auto_request_is_downgraded_when_only_the_small_model_can_meet_its_deadl
         ctx.__exit__(None, None, None)
         client.close()
     assert service.http.get("/health").json()["router"]["routes"].get(f"{SMALL}/deadline_downgrade", 0) >= 1
+
+
+def test_a_request_only_the_busy_large_model_may_take_is_shed_at_arrival_without_routing(service):
+    client, ctx, _ = _open_stream(service)  # the large model is busy for many seconds
+    try:
+        # max_tokens > 128: too big for the small model, and the batch tier may not be
+        # downgraded, so the large model alone decides: it can't make 4 s.
+        body = {"model": "auto", "messages": [{"role": "user", "content": "Tell me about the sea."}],
+                "max_tokens": 480, "temperature": 0}
+        resp = service.http.post("/v1/chat/completions", json=body,
+                                 headers={**NO_CACHE, "x-request-deadline-ms": "4000", "x-slo-tier": "batch"})
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "deadline_unmeetable"
+        stages = [entry.split(";")[0].strip() for entry in resp.headers["server-timing"].split(",")]
+        assert "route" not in stages and "lookup.embed" not in stages, stages  # decided before routing
+    finally:
+        ctx.__exit__(None, None, None)
+        client.close()
