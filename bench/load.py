@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from bench.stack import CONTEXT, QUESTIONS
-from bench.stats import percentile
+from bench.stats import percentile, server_timing
 from bench.workloads import CODE, DOCS, RAG_QUESTIONS
 
 INTERACTIVE_DEADLINE_MS = 15_000
@@ -233,21 +233,11 @@ def _point(outcomes: list[Outcome], window_s: float, load_factor: float, admissi
     }
 
 
-def _timing(header: str) -> dict[str, float]:
-    """`Server-Timing` -> {stage: ms}."""
-    out = {}
-    for entry in header.split(","):
-        name, _, rest = entry.strip().partition(";dur=")
-        if rest:
-            out[name] = float(rest)
-    return out
-
-
 def _shed_profile(shed: list[Outcome]) -> dict:
     """Where the slowest sheds at arrival spent their time: the server's own total against
     the client's, and how many were decided only after the cache lookup and routing."""
     at_arrival = [o for o in shed if o.code != "deadline_in_queue"]
-    timings = [_timing(o.server_timing) for o in at_arrival]
+    timings = [server_timing(o.server_timing) for o in at_arrival]
     totals = [t["total"] for t in timings if "total" in t]
     slowest = sorted(zip(at_arrival, timings), key=lambda x: -x[0].e2e_ms)[:3]
     return {

@@ -123,6 +123,12 @@ class EngineConfig(_Strict):
     )
     vllm: VLLMConfig = Field(VLLMConfig(), description="kind: vllm only")
 
+    @model_validator(mode="after")
+    def _prefill_quant_is_llama_cpp(self) -> "EngineConfig":
+        if self.prefill_quant is not None and self.kind != "llama_cpp":
+            raise ValueError(f"prefill_quant is a llama_cpp setting; this engine is kind: {self.kind}")
+        return self
+
 
 class SamplingDefaults(_Strict):
     default_max_tokens: int = Field(256, ge=1, description="used when a request sets no max_tokens")

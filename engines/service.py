@@ -126,57 +126,55 @@ class ModelService:
         prefill_ms = 0.0
         priors: dict[str, float] = {}
         if self.draft_engine is not None:
-            dseq = self.draft_engine.new_sequence()
             # A prompt no context has seen: the warm-up's would be mostly reused from the draft's
             # prefix cache and price a catch-up ~8x too cheap (0.7 vs ~5.5 ms/token for llama.cpp
             # Q4_1 here), which made the planner start the draft on long RAG prompts.
             fresh = ids[1:] + ids[:1]  # rotated: shares no prefix with the warm-up
+            target = self._greedy(fresh, self.AGREEMENT_TOKENS)
+            dseq = self.draft_engine.new_sequence()
             t = time.perf_counter()
-            self.draft_engine.prefill(dseq, fresh)
+            logits = self.draft_engine.prefill(dseq, fresh)
             prefill_ms = (time.perf_counter() - t) * 1000 / len(fresh)
-            samples = []
-            for token in ids[:8]:
+            # One pass prices a draft step and measures how often the draft picks the target's
+            # greedy token: the model drafter's acceptance prior. The configured prior is a guess
+            # for any draft; llama.cpp on the target's own GGUF agrees ~98%, so the first
+            # requests can draft long.
+            samples, agree = [], 0
+            for token in target:
+                agree += int(logits.argmax()) == token
                 t = time.perf_counter()
-                self.draft_engine.decode_step(dseq, token)
+                logits = self.draft_engine.decode_step(dseq, token)
                 samples.append((time.perf_counter() - t) * 1000)
             self.draft_engine.release(dseq)
             draft_ms = sorted(samples)[len(samples) // 2]
-            priors["model"] = self._draft_agreement(fresh)
+            priors["model"] = min(0.95, max(0.3, agree / len(target)))  # 16 tokens are a small sample
         costs = CostModel.calibrate(
             score, spec.k_max, draft_ms, spec.prior_acceptance, prefill_ms, acceptance_priors=priors
         )
         self.engine.release(seq)
         log.info(
-            "%s speculation: verify ms by tokens %s, draft %.1f ms/token, draft prefill %.1f ms/token",
+            "%s speculation: verify ms by tokens %s, draft %.1f ms/token, draft prefill %.1f ms/token, "
+            "acceptance priors %s",
             self.config.engine.model_id,
             [round(v.value, 1) for v in costs.verify],
             draft_ms,
             prefill_ms,
+            costs.calibrated["acceptance_priors"],
         )
         return costs
 
     AGREEMENT_TOKENS = 16
 
-    def _draft_agreement(self, prompt: list[int]) -> float:
-        """How often the draft picks the target's greedy token after `prompt`: the model
-        drafter's acceptance prior. The configured prior is a guess for any draft; this one
-        (llama.cpp on the target's own GGUF agrees ~98%) lets the first requests draft long."""
+    def _greedy(self, prompt: list[int], n: int) -> list[int]:
+        """The target's first n greedy tokens after `prompt`."""
         seq = self.engine.new_sequence()
         logits = self.engine.prefill(seq, prompt)
-        target = []
-        for _ in range(self.AGREEMENT_TOKENS):
-            target.append(int(logits.argmax()))
-            logits = self.engine.decode_step(seq, target[-1])
+        tokens = []
+        for _ in range(n):
+            tokens.append(int(logits.argmax()))
+            logits = self.engine.decode_step(seq, tokens[-1])
         self.engine.release(seq)
-        dseq = self.draft_engine.new_sequence()
-        logits = self.draft_engine.prefill(dseq, prompt)
-        agree = 0
-        for token in target:
-            agree += int(logits.argmax()) == token
-            logits = self.draft_engine.decode_step(dseq, token)
-        self.draft_engine.release(dseq)
-        # Kept off the extremes: 16 tokens are a small sample.
-        return min(0.95, max(0.3, agree / len(target)))
+        return tokens
 
     def snapshot(self) -> dict[str, float]:
         """The counters, plus the prefix cache's (hit rate, blocks, memory) where the engine has one."""

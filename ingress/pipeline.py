@@ -123,6 +123,12 @@ class Prepared:
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
 
 
+def _downgrade(p: Prepared, small: str) -> RouteDecision:
+    """Send the request to the small model, saying so in its response headers."""
+    p.notes["x-admission"] = "downgraded; the large model could not meet the deadline"
+    return RouteDecision(small, "deadline_downgrade")
+
+
 class ReplicaFailed(APIError):
     """The model replica failed under the request (a 503): safe to retry until output was sent."""
 
@@ -474,8 +480,7 @@ class Pipeline:
                     # Only the small model can make the deadline and the tier allows it: whatever
                     # the router would say, admission would downgrade. Skip routing (its embedding
                     # costs 15-80 ms on a loaded box) and go there now.
-                    forced = RouteDecision(small, "deadline_downgrade")
-                    p.notes["x-admission"] = "downgraded; the large model could not meet the deadline"
+                    forced = _downgrade(p, small)
             clock.stage("admit")
             routing = asyncio.ensure_future(self._route(p)) if forced is None else None  # beside the lookup
             if lookup is not None and not self.args.ingress.overlap_cache_lookup:
@@ -605,8 +610,7 @@ class Pipeline:
         ):
             alt = self.admission.ticket(small, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
             if self.gate.would_meet(alt):
-                ticket, decision = alt, RouteDecision(small, "deadline_downgrade")
-                p.notes["x-admission"] = "downgraded; the large model could not meet the deadline"
+                ticket, decision = alt, _downgrade(p, small)
         await self.admission.admit(ticket)
         # The gate's promise, so a client (and bench load) can hold it to it.
         p.notes["x-admission-predicted"] = (

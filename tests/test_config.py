@@ -106,6 +106,10 @@ def test_speculation_knobs_that_would_silently_do_nothing_are_rejected():
         AppArgs.model_validate(remote)
     del remote["target"]["speculative"]["draft_engine"]
     AppArgs.model_validate(remote)
+    quant = copy.deepcopy(base)
+    quant["target"]["engine"]["prefill_quant"] = "q8_0"  # a transformers engine: it would do nothing
+    with pytest.raises(ValidationError, match="llama_cpp setting"):
+        AppArgs.model_validate(quant)
 
 
 def test_served_model_ids_must_exist():
