@@ -1,14 +1,16 @@
 """Suite `overhead`: what the serving stack adds to TTFT and ITL, and what tracing costs.
 
-1. The engine called directly, in this process (no Ray, no HTTP): TTFT and ITL.
+1. The engine called directly, in this process (no Ray, no HTTP): TTFT and ITL. It takes
+   turns with the requests of 2, a request each, while the service runs: measured minutes
+   apart, the box's drift alone moved its TTFT p50 by 30-50 ms here. (It is also measured once
+   before the service starts: `ttft_p50_ms_engine_service_down`.)
 2. The same prompts through serve_config.yaml's whole graph, streamed over loopback with a
    lean HTTP client (httpx; the openai SDK's own parsing would be charged to the stack): TTFT
    and ITL at the client, and each request's Server-Timing stages (p50 per stage: where the
    overhead goes). Every prompt carries its own number, so the cache lookup runs and misses (the
    semantic guards never match different numbers); `cache_outcomes` shows it. Then the same
    prompts with `Cache-Control: no-cache`: the stack without the lookup's work. Clients use the
-   ingress's own listener (ingress.direct_port); a third set goes through Ray Serve's proxy. The
-   three sets take turns, a request each, so the box's drift hits them alike.
+   ingress's own listener (ingress.direct_port); a third set goes through Ray Serve's proxy.
 3. Tracing at 100% sampling (OTLP/HTTP to a receiver on loopback) against unsampled, on one
    service, in alternating blocks so the box's drift hits both alike: closed-loop throughput of
    generated requests (`tracing_throughput_ratio` = sampled / unsampled) and of cache hits (the
@@ -29,7 +31,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from bench.stack import engine_direct_samples, prompts, stack_samples
+from bench.stack import DirectEngine, prompts, stack_samples
 from bench.stats import percentile, summary
 from configs.schemas import TracingConfig
 from configs.serve_config import load_serve_config
@@ -107,11 +109,19 @@ def _plot(engine: list[float], stack: list[float], bare: list[float], path: Path
     plt.close(fig)
 
 
-def _interleaved(sets: dict[str, tuple[str, list, dict | None]], model: str, max_tokens: int) -> dict[str, dict]:
-    """`stack_samples` for each (base URL, prompts, headers) set, one request from each in turn."""
+def _interleaved(
+    sets: dict[str, tuple[str, list, dict | None]], engine: DirectEngine, engine_convs: list, model: str, max_tokens: int
+) -> dict[str, dict]:
+    """`stack_samples` for each (base URL, prompts, headers) set and a request to the engine in
+    this process, one of each in turn, so the box's drift hits every side alike."""
     merged = {name: {"ttft": [], "itl": [], "stages": {}, "outcomes": {}, "prompt_tokens": []} for name in sets}
-    rounds = max(len(convs) for _, convs, _ in sets.values())
-    for i in tqdm(range(rounds), desc="through the stack (" + ", ".join(sets) + ")", unit="round"):
+    merged["engine"] = {"ttft": [], "itl": []}
+    rounds = max(len(engine_convs), *(len(convs) for _, convs, _ in sets.values()))
+    for i in tqdm(range(rounds), desc="engine and stack in turn (engine, " + ", ".join(sets) + ")", unit="round"):
+        if i < len(engine_convs):
+            first, gaps = engine.sample(engine_convs[i], max_tokens)
+            merged["engine"]["ttft"].append(first)
+            merged["engine"]["itl"].extend(gaps)
         for name, (base, convs, headers) in sets.items():
             if i >= len(convs):
                 continue
@@ -140,8 +150,12 @@ def run(
     plain.speculative.method = "none"
     measured = prompts(requests, first=1000)
     warm = prompts(2, first=10)
-    engine_ttft, engine_itl = engine_direct_samples(plain, prompts(2, first=10) + measured, max_tokens)
-    engine_ttft = engine_ttft[2:]  # the first two warm the engine
+    engine = DirectEngine(plain)
+    for conv in warm:
+        engine.sample(conv, max_tokens)
+    # The engine alone on the box, before the service starts: how far the box drifts from
+    # this to the side-by-side run below (the headline) is itself worth seeing.
+    alone_ttft = [engine.sample(c, max_tokens)[0] for c in tqdm(prompts(requests, first=7000), desc="engine, service down")]
 
     sink = OTLPSink(keep=False)
     try:
@@ -152,15 +166,18 @@ def run(
             base = urls.best
             stack_samples(base, model, warm, 4)
             stack_samples(urls.proxy, model, warm, 4)
-            # Three sets, a request from each in turn so the box's drift hits them alike: the
-            # ingress's own listener with the cache lookup (the headline) and without it, and
-            # Ray Serve's proxy with the lookup.
+            # The engine in this process and three sets through the service, a request from each
+            # in turn: the ingress's own listener with the cache lookup (the headline) and
+            # without it, and Ray Serve's proxy with the lookup. The engine and the headline
+            # set decode the same prompts.
             sets = _interleaved({
                 "stack": (base, measured, None),
                 "bare": (base, prompts(requests, first=5000), NO_CACHE),
                 "proxied": (urls.proxy, prompts(requests, first=3000), None),
-            }, model, max_tokens)
+            }, engine, measured, model, max_tokens)
             stack, bare, proxied = sets["stack"], sets["bare"], sets["proxied"]
+            engine_ttft, engine_itl = sets["engine"]["ttft"], sets["engine"]["itl"]
+        engine.close()
 
         def traced(args) -> None:
             args.telemetry.tracing = TracingConfig(exporter="otlp", endpoint=sink.endpoint, sample_ratio=1.0)
@@ -199,6 +216,8 @@ def run(
         # Through Ray Serve's proxy (http_options.port) rather than the ingress's direct listener.
         "ttft_overhead_p50_ms_via_proxy": round(p50(proxied["ttft"]) - p50(engine_ttft), 2),
         "stages_via_proxy": {name: p50(v) for name, v in proxied["stages"].items()},
+        # The engine measured alone before the service started, not side by side: drift included.
+        "ttft_p50_ms_engine_service_down": p50(alone_ttft),
         "ttft_ms": {"engine": summary(engine_ttft), "stack": summary(stack["ttft"]),
                     "stack_without_cache": summary(bare["ttft"]), "stack_via_proxy": summary(proxied["ttft"])},
         "itl_ms": {"engine": summary(engine_itl), "stack": summary(stack["itl"])},

@@ -48,34 +48,52 @@ def prompts(n: int, first: int = 0) -> list[list[dict[str, str]]]:
     return out
 
 
+class DirectEngine:
+    """The engine called in this process (no Ray, no HTTP), one request at a time."""
+
+    def __init__(self, stage_config) -> None:
+        from engines.service import ModelService
+        from ingress.prompts import PromptBuilder
+
+        self.service = ModelService(stage_config)
+        self.builder = PromptBuilder(self.service.engine.tokenizer)
+        self.loop = asyncio.new_event_loop()
+        self.served = 0
+
+    def sample(self, conv, max_tokens: int) -> tuple[float, list[float]]:
+        """(TTFT ms, ITL ms) of one greedy request."""
+        from engines.types import GenerateRequest, SamplingParams
+        from ingress.protocol import ChatMessage
+
+        ids = self.builder.chat([ChatMessage(**m) for m in conv])
+        self.served += 1
+        request = GenerateRequest(f"direct-{self.served}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+        async def run() -> list[float]:
+            times = []
+            async for chunk in self.service.generate(request):
+                if chunk.num_tokens:
+                    times.append(time.perf_counter())
+            return times
+
+        start = time.perf_counter()
+        times = self.loop.run_until_complete(run())
+        return (times[0] - start) * 1000, [(b - a) * 1000 for a, b in zip(times, times[1:])]
+
+    def close(self) -> None:
+        self.service.executor.shutdown(wait=True)
+        self.loop.close()
+
+
 def engine_direct_samples(stage_config, conversations, max_tokens: int) -> tuple[list[float], list[float]]:
     """(TTFT ms, ITL ms) of the engine called in this process: no Ray, no HTTP."""
-    from engines.service import ModelService
-    from engines.types import GenerateRequest, SamplingParams
-    from ingress.prompts import PromptBuilder
-    from ingress.protocol import ChatMessage
-
-    service = ModelService(stage_config)
-    builder = PromptBuilder(service.engine.tokenizer)
+    engine = DirectEngine(stage_config)
     ttft, itl = [], []
-
-    async def run_one(i: int, conv) -> None:
-        ids = builder.chat([ChatMessage(**m) for m in conv])
-        request = GenerateRequest(f"direct-{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-        start = time.perf_counter()
-        times = []
-        async for chunk in service.generate(request):
-            if chunk.num_tokens:
-                times.append(time.perf_counter())
-        ttft.append((times[0] - start) * 1000)
-        itl.extend((b - a) * 1000 for a, b in zip(times, times[1:]))
-
-    async def run_all() -> None:
-        for i, conv in enumerate(tqdm(conversations, desc="engine direct", unit="req")):
-            await run_one(i, conv)
-
-    asyncio.run(run_all())
-    service.executor.shutdown(wait=True)
+    for conv in tqdm(conversations, desc="engine direct", unit="req"):
+        first, gaps = engine.sample(conv, max_tokens)
+        ttft.append(first)
+        itl.extend(gaps)
+    engine.close()
     return ttft, itl
 
 

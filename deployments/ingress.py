@@ -38,6 +38,7 @@ class HandleBackends:
         self._write_timeout_s = write_timeout_s
         self._router = router
         self._models = {model_id: h.options(stream=True) for model_id, h in models.items()}
+        self._unary = models
         self._pending: set[asyncio.Task] = set()
 
     async def cache_lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
@@ -47,8 +48,16 @@ class HandleBackends:
         return await self._cache.invalidate.remote(tenant)
 
     def cache_store(self, entry: CacheEntry) -> None:
-        # Fire and forget, but keep a reference so the write is not garbage-collected mid-flight.
-        task = asyncio.ensure_future(self._await(self._cache.store.remote(entry)))
+        self._fire(self._cache.store.remote(entry))
+
+    def late_hint(self, model_id: str, request_id: str, hint_ids: list[int]) -> None:
+        # With several model replicas it may reach one that is not running the request: there
+        # it is dropped, and the request only decodes without the hint.
+        self._fire(self._unary[model_id].late_hint.remote(request_id, hint_ids))
+
+    def _fire(self, response) -> None:
+        # Fire and forget, but keep a reference so the call is not garbage-collected mid-flight.
+        task = asyncio.ensure_future(self._await(response))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -62,7 +71,7 @@ class HandleBackends:
         try:
             await asyncio.wait_for(response, self._write_timeout_s)  # a stuck cache holds nothing here
         except Exception:
-            pass  # a lost cache write costs a future miss, nothing more
+            pass  # a lost cache write costs a future miss, a lost hint a slower decode; nothing more
 
 
 def _prompt_builders(args: AppArgs) -> dict[str, PromptBuilder]:

@@ -86,6 +86,10 @@ class _ModelDeployment:
             delta[name], self._prefix_seen[name] = total - self._prefix_seen[name], total
         self._metrics.prefix_cache(delta["query"], delta["hit"])
 
+    async def late_hint(self, request_id: str, hint_ids: list[int]) -> bool:
+        """A near-miss draft for a request that started before its cache lookup returned."""
+        return self.service.late_hint(request_id, hint_ids)
+
     async def stats(self) -> dict[str, float]:
         return self.service.snapshot()
 

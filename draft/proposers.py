@@ -36,6 +36,7 @@ class Proposal:
 class Proposer(ABC):
     name: str = "proposer"
     free: bool = False  # True for lookups that cost ~nothing (the planner asks them first)
+    takes_hints: bool = False  # drafts from `hint_ids` alone (its state is None without one)
 
     def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> Any:
         """Per-request state (returned to the caller, passed back on every call)."""
@@ -178,6 +179,7 @@ class HintDraft(Proposer):
 
     name = "hint"
     free = True
+    takes_hints = True
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n

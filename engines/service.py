@@ -23,6 +23,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,6 +89,8 @@ class ModelService:
         # FIFO, and a waiter cancelled (client gone) gives up its place; one event loop per replica.
         self._seats = asyncio.Semaphore(self.engine.max_sequences) if self.engine.max_sequences else None
         self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
+        self._live: dict[str, Generation] = {}  # request id -> its generation, for late hints
+        self._early_hints: OrderedDict[str, list[int]] = OrderedDict()  # late hints that beat their request here
         self.costs: CostModel | None = None
         # On the worker thread, like every later forward pass: a second thread running torch
         # ops makes OpenMP keep two thread teams on the same cores, and every decode step after
@@ -212,6 +215,10 @@ class ModelService:
                 yield GenerateChunk("", 0, "abort", len(request.prompt_token_ids), 0, {"deadline_expired": 1.0})
                 return
             gen = Generation(self.engine, request, self._speculation(request))
+            self._live[request.request_id] = gen
+            early = self._early_hints.pop(request.request_id, None)
+            if early is not None:
+                gen.add_hint(early)
             chunk = await loop.run_in_executor(self.executor, self._timed_prefill, gen, enqueued)
             self._decoding += 1
             decoding = True
@@ -229,6 +236,8 @@ class ModelService:
                 yield chunk
                 chunk = await self._step(gen)
         finally:
+            if gen is not None and self._live.get(request.request_id) is gen:
+                del self._live[request.request_id]
             self.stats.active -= 1
             if decoding:
                 self._decoding -= 1
@@ -241,6 +250,22 @@ class ModelService:
                     self.executor.submit(self._abort, gen, gen.rounds, time.perf_counter())
             if seated:  # after the abort is queued: the next sequence's prefill runs behind it
                 self._seats.release()
+
+    EARLY_HINTS_KEPT = 64  # late hints for requests not (yet) here: most never come (another replica)
+
+    def late_hint(self, request_id: str, hint_ids: list[int]) -> bool:
+        """A draft hint for a request already under way (see `Generation.add_hint`). True when
+        the request is running here and a drafter took the hint; one that has not arrived yet
+        gets it when it starts. On another replica it is kept for nothing and soon dropped."""
+        if not any(p.takes_hints for p in self.proposers):
+            return False
+        gen = self._live.get(request_id)
+        if gen is not None:
+            return gen.add_hint(hint_ids)
+        self._early_hints[request_id] = list(hint_ids)
+        while len(self._early_hints) > self.EARLY_HINTS_KEPT:
+            self._early_hints.popitem(last=False)
+        return False
 
     async def _step(self, gen: Generation) -> GenerateChunk:
         """The next decode step of `gen`, batched with whatever other steps are waiting."""

@@ -119,6 +119,9 @@ class VLLMService:
         """Stop vLLM's engine-core process and free the device memory it holds."""
         self.llm.shutdown()
 
+    def late_hint(self, request_id: str, hint_ids: list[int]) -> bool:
+        return False  # vLLM takes no per-request draft (see the module docstring)
+
     def snapshot(self) -> dict[str, float]:
         return dict(self.stats)
 

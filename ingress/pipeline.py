@@ -84,6 +84,7 @@ class Backends(Protocol):
     async def cache_invalidate(self, tenant: str) -> int: ...
     async def route(self, features: RouteFeatures) -> RouteDecision: ...
     def generate(self, model_id: str, request: GenerateRequest) -> ModelStream: ...
+    def late_hint(self, model_id: str, request_id: str, hint_ids: list[int]) -> None: ...
 
 
 @dataclass
@@ -483,7 +484,7 @@ class Pipeline:
                     forced = _downgrade(p, small)
             clock.stage("admit")
             routing = asyncio.ensure_future(self._route(p)) if forced is None else None  # beside the lookup
-            if lookup is not None and not self.args.ingress.overlap_cache_lookup:
+            if lookup is not None and not self._overlap_lookup():
                 found, lookup = await lookup, None
                 clock.stage("lookup")
                 if found.outcome == "hit":  # hits take no admission slot: they are served even at capacity
@@ -523,6 +524,12 @@ class Pipeline:
                     stream = None
                     permit.release()
                     return self._cached(p, found)
+                if found.outcome == "hint" and found.response is not None and not p.coalesced:
+                    # The near miss still rides along: the replica hands it to the request's
+                    # drafters, which are idle until its prefill (well under way) is done.
+                    hint_ids = builder.tokenizer.encode(found.response.text, add_special_tokens=False)
+                    self.backends.late_hint(decision.model_id, ctx.request_id, hint_ids)
+                    p.cache_state = "hint"
             try:
                 first = await first_chunk
             except ReplicaFailed as err:
@@ -593,6 +600,15 @@ class Pipeline:
             if stream is not None:
                 stream.cancel()
             raise
+
+    def _overlap_lookup(self) -> bool:
+        """Start the model before the cache lookup returns? `idle`: only while nothing runs on
+        any model, here or (as last synced) in another ingress, so a hit's wasted prefill
+        delays no one; under load the lookup's 15-20 ms is small against the queue anyway."""
+        mode = self.args.ingress.overlap_cache_lookup
+        if mode == "idle":
+            return self.gate.concurrency() == 0 and not any(s.inflight for s in self.load.stages.values())
+        return mode
 
     async def _admit(self, p: Prepared, decision: RouteDecision) -> tuple[Permit, RouteDecision]:
         """Start, queue or shed (503); downgrade to the small model when only it can make the

@@ -59,6 +59,19 @@ class Generation:
         if self.spec is not None:
             self.spec.states = [p.begin(request.prompt_token_ids, request.draft_hint_ids) for p in self.spec.proposers]
 
+    def add_hint(self, hint_ids: list[int]) -> bool:
+        """A draft hint that arrived after the request started (the cache lookup ran beside the
+        prefill): drafters that take hints and have none yet get it from their next round. The
+        state is built whole before it is stored, so the worker thread sees none or all of it."""
+        if self.spec is None or self.finished or not hint_ids:
+            return False
+        took = False
+        for i, proposer in enumerate(self.spec.proposers):
+            if self.spec.states[i] is None and proposer.takes_hints:
+                self.spec.states[i] = proposer.begin(self.request.prompt_token_ids, list(hint_ids))
+                took = True
+        return took
+
     # ------------------------------------------------------------------ steps
 
     def prefill(self) -> GenerateChunk:

@@ -97,6 +97,36 @@ def test_seeded_sampling_decodes_without_speculation(spec_service):
     assert spec_service._speculation(greedy) is not None
 
 
+def test_a_hint_that_arrives_after_its_request_is_drafted_from_and_stays_lossless(spec_service):
+    """With the cache lookup beside the prefill, a near miss reaches the replica after its
+    request started (or, raced, just before it): either way the drafters take it."""
+    import asyncio
+
+    tok = spec_service.engine.tokenizer
+    ids = _chat_ids(tok, conversations()["chat"][1])
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    plain, plain_text = _decode(spec_service, ids, params, None)
+
+    async def run(request_id: str, early: bool) -> tuple[str, bool]:
+        took = spec_service.late_hint(request_id, plain) if early else None  # before it gets here
+        stream = spec_service.generate(GenerateRequest(request_id, ids, params))
+        text = (await stream.__anext__()).text  # prefilled: the drafters have not run yet
+        if not early:
+            took = spec_service.late_hint(request_id, plain)
+        async for chunk in stream:
+            text += chunk.text
+        return text, took
+
+    for early in (False, True):
+        before = spec_service.stats.hint_tokens_accepted
+        text, took = asyncio.run(run(f"late-{early}", early))
+        assert took is (not early), "a running request takes the hint; one not here yet keeps it for later"
+        assert text == plain_text
+        assert spec_service.stats.hint_tokens_accepted - before >= 16, early
+    assert spec_service.late_hint("late-False", plain) is False  # finished: nothing takes it
+    assert "late-True" not in spec_service._early_hints  # consumed when it started
+
+
 def test_llama_engine_score_rollback_and_context_stealing(spec_service):
     draft = spec_service.draft_engine
     ids = _chat_ids(spec_service.engine.tokenizer, conversations()["chat"][1])

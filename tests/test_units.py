@@ -364,6 +364,22 @@ def test_health_says_warming_until_every_stage_answers(serve_file):
     assert client.get("/v1/nope").json()["error"]["code"] == "not_found"
 
 
+def test_idle_overlap_starts_the_model_beside_the_lookup_only_while_nothing_runs(serve_file):
+    from ingress.pipeline import Pipeline
+
+    args = serve_file.args.model_copy(deep=True)
+    target = args.target.engine.model_id
+    for mode, idle_answer in ((False, False), (True, True), ("idle", True)):
+        args.ingress.overlap_cache_lookup = mode
+        pipeline = Pipeline(args, backends=None, prompts={})
+        assert pipeline._overlap_lookup() is idle_answer, mode
+        pipeline.gate.others_inflight = {target: 1}  # another ingress's request, as last synced
+        assert pipeline._overlap_lookup() is (mode is True), mode
+        pipeline.gate.others_inflight = {}
+        pipeline.load.started(target)  # this ingress's own, before the gate's sync saw it
+        assert pipeline._overlap_lookup() is (mode is True), mode
+
+
 def test_cache_key_follows_the_server_default_budget(serve_file):
     """The key is made before tokenizing, from the requested max_tokens; a request that leaves it
     to the server must not reuse answers made under another default budget."""
