@@ -220,8 +220,8 @@ class AdmissionGate:
         """When `t` would start and finish if it waited behind `ahead`: each departure of a
         running request lets the next one in, at today's concurrency."""
         c = max(1, self.concurrency())
-        slots = sorted(r.finish_at for r in self.running) or [now]
-        slots = [max(now, s) for s in slots][: max(1, min(len(slots), self.max_inflight))]
+        slots = sorted(self._finish_estimate(r, now) for r in self.running) or [now]
+        slots = slots[: max(1, min(len(slots), self.max_inflight))]
         heapq.heapify(slots)
         for q in ahead:
             free = heapq.heappop(slots)
@@ -232,6 +232,17 @@ class AdmissionGate:
         first_ms, last_ms = first_ms + pending_ms, last_ms + pending_ms
         wait_ms = (start - now) * 1000
         return Prediction(wait_ms, (now - t.arrived) * 1000 + wait_ms + first_ms, (now - t.arrived) * 1000 + wait_ms + last_ms)
+
+    def _finish_estimate(self, r: Ticket, now: float) -> float:
+        """When a running request should end. One past its predicted finish is writing a longer
+        answer than expected (output length is a guess): expect it to overrun as long again as
+        it already has, though no longer than its max_tokens allow. Expecting it to end `now`
+        queued TTFT-tier requests behind it that then passed their latest start and were
+        dropped after 0.5-1 s of waiting, where a shed at arrival takes milliseconds."""
+        if r.finish_at >= now:
+            return r.finish_at
+        longest = r.first_at + r.max_tokens * self.estimates[r.model_id].itl_ms(r.concurrency_at_start) / 1000
+        return max(now, min(now + (now - r.finish_at), longest))
 
     def would_meet(self, t: Ticket) -> bool:
         """Would `acquire` start or queue this ticket (rather than shed it) right now?"""

@@ -167,6 +167,31 @@ def test_gate_drops_a_queued_request_when_its_latest_start_passes_and_frees_canc
     asyncio.run(main())
 
 
+def test_a_request_running_past_its_predicted_finish_is_expected_to_overrun_as_long_again():
+    """Not to end this instant: what can't wait that long is shed at arrival, not dropped from
+    the queue after waiting for a slot that did not come."""
+    now = [0.0]
+    gate = AdmissionGate(1, 4, 1, ServiceEstimates(1.0, 0.1), safety=1.0, clock=lambda: now[0])
+
+    async def main():
+        running = Ticket("m", "t", 0, 10, 200, arrived=0.0)  # predicted 100 tokens x 1 ms
+        await gate.acquire(running)
+        assert running.finish_at == pytest.approx(0.101, abs=0.002)
+        now[0] = 0.151  # 50 ms past it
+        assert gate._finish_estimate(running, now[0]) == pytest.approx(0.201, abs=0.002)
+        late = Ticket("m", "t", 0, 10, 20, deadline=now[0] + 0.04, arrived=now[0])  # 10 ms of work
+        with pytest.raises(Rejection) as shed:
+            await gate.acquire(late)
+        assert shed.value.reason == "deadline_unmeetable"
+        assert shed.value.predicted.wait_ms == pytest.approx(50, abs=2)
+        now[0] = 0.5  # far past: no later than all 200 tokens
+        assert gate._finish_estimate(running, now[0]) == pytest.approx(0.5)
+        now[0] = 0.19
+        assert gate._finish_estimate(running, now[0]) == pytest.approx(0.201, abs=0.002)  # max_tokens' worth
+
+    asyncio.run(main())
+
+
 def test_gate_counts_other_ingress_replicas_running_requests():
     gate = _gate(itl_ms=10)
     t = _ticket(100, deadline_s=0.6)  # 50 tokens: 0.5 s alone
