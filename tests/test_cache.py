@@ -75,29 +75,12 @@ def test_near_miss_becomes_a_lossless_draft(service):
     stats_before = service.model_stats("TargetModel")
     hinted = _ask(client, "What is 15% of 300?", max_tokens=40)
     assert hinted.headers["x-cache"] == "hint", hinted.headers
-    # Nothing else ran (overlap_cache_lookup: idle): the model started beside the lookup and
-    # the near miss followed the request to its replica.
-    assert _stages(hinted).index("queue") < _stages(hinted).index("lookup"), hinted.headers["server-timing"]
     stats_after = service.model_stats("TargetModel")
     assert stats_after["hint_tokens_accepted"] > stats_before["hint_tokens_accepted"], stats_after
     # Verification keeps it exact: the same text as with no cache (and no hint) at all.
     plain = _ask(client, "What is 15% of 300?", max_tokens=40, headers=NO_CACHE)
     assert plain.headers["x-cache"] == "bypass"
     assert _text(hinted) == _text(plain)
-    # With another request generating, the model waits for the lookup and the hint goes with it.
-    busy = client.chat.completions.create(
-        model=TARGET, messages=[{"role": "user", "content": "Count slowly from one to fifty."}],
-        temperature=0, max_tokens=64, stream=True, extra_headers=NO_CACHE,
-    )
-    next(iter(busy))  # it has started
-    during = _ask(client, "What is 15% of 400?", max_tokens=40)  # the same budget: the same scope
-    busy.close()
-    assert during.headers["x-cache"] == "hint", during.headers
-    assert _stages(during).index("lookup") < _stages(during).index("queue"), during.headers["server-timing"]
-
-
-def _stages(raw) -> list[str]:
-    return [part.split(";")[0].strip() for part in raw.headers["server-timing"].split(",")]
 
 
 def test_cache_control_sampling_and_invalidate(service):

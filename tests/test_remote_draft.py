@@ -31,10 +31,9 @@ def remote_app(service):
     # here every request must go through the remote path.
     args.target.speculative.fixed_k = 4
     # This app also takes the other hot-path modes: routing through the Router deployment, and
-    # the model started while the cache lookup is in flight; the semantic layer off (exact only).
+    # the model started while the cache lookup is in flight (a near miss follows it as a hint).
     args.router.placement = "remote"
     args.ingress.overlap_cache_lookup = True
-    args.cache.semantic.enabled = False
     args.ingress.direct_port = free_port()  # its own front door (the proxy has it at /remote too)
     serve.run(
         build_graph(args, service.config.deployment_options, quiet_logging(service.config)),
@@ -88,6 +87,35 @@ def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
     assert target_stats["draft_tokens_proposed"] > 0, f"the remote draft was never used: {target_stats}"
     assert target_stats["draft_tokens_accepted"] > 0, target_stats
     assert draft_stats["draft_sessions_recomputed"] >= len(PROMPTS), draft_stats  # one session per request
+
+
+def test_a_near_miss_follows_a_request_that_started_before_the_lookup_returned(remote_app):
+    """overlap_cache_lookup: the model starts beside the lookup; the near miss the lookup finds
+    reaches the target replica after the request (`late_hint`), is drafted from, and changes
+    nothing in the answer."""
+    from openai import OpenAI
+    from ray import serve
+
+    client = OpenAI(base_url=remote_app + "/v1", api_key="sk-late-hint", max_retries=0)
+
+    def ask(text: str, headers: dict | None = None):
+        return client.chat.completions.with_raw_response.create(
+            model=TARGET, messages=[{"role": "user", "content": text}], temperature=0, max_tokens=40,
+            extra_headers=headers or {},
+        )
+
+    def stats() -> dict:
+        return serve.get_deployment_handle("TargetModel", app_name="remote").stats.remote().result(timeout_s=30)
+
+    ask("What is 15% of 200?")
+    before = stats()
+    hinted = ask("What is 15% of 300?")
+    assert hinted.headers["x-cache"] == "hint", hinted.headers
+    stages = [part.split(";")[0].strip() for part in hinted.headers["server-timing"].split(",")]
+    assert stages.index("queue") < stages.index("lookup"), "the model was to start before the lookup returned"
+    assert stats()["hint_tokens_accepted"] > before["hint_tokens_accepted"], stats()
+    plain = ask("What is 15% of 300?", NO_CACHE)
+    assert hinted.parse().choices[0].message.content == plain.parse().choices[0].message.content
 
 
 def test_disconnect_stops_the_remote_draft_too(remote_app):
