@@ -39,6 +39,10 @@ from configs.serve_config import load_serve_config
 NO_CACHE = {"cache-control": "no-cache, no-store"}
 
 
+# Between two measured requests: the last one's after-work (the cache write, OpenMP threads
+# spinning down) lands on no one's clock.
+SETTLE_S = 0.3
+
 BUCKETS = [(0, 64, "<=64"), (65, 256, "65-256"), (257, 10**9, ">256")]
 
 
@@ -119,12 +123,14 @@ def _interleaved(
     rounds = max(len(engine_convs), *(len(convs) for _, convs, _ in sets.values()))
     for i in tqdm(range(rounds), desc="engine and stack in turn (engine, " + ", ".join(sets) + ")", unit="round"):
         if i < len(engine_convs):
+            time.sleep(SETTLE_S)
             first, gaps = engine.sample(engine_convs[i], max_tokens)
             merged["engine"]["ttft"].append(first)
             merged["engine"]["itl"].extend(gaps)
         for name, (base, convs, headers) in sets.items():
             if i >= len(convs):
                 continue
+            time.sleep(SETTLE_S)
             one, into = stack_samples(base, model, convs[i : i + 1], max_tokens, headers, progress=False), merged[name]
             for key in ("ttft", "itl", "prompt_tokens"):
                 into[key].extend(one[key])
