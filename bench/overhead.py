@@ -117,20 +117,24 @@ def _interleaved(
     sets: dict[str, tuple[str, list, dict | None]], engine: DirectEngine, engine_convs: list, model: str, max_tokens: int
 ) -> dict[str, dict]:
     """`stack_samples` for each (base URL, prompts, headers) set and a request to the engine in
-    this process, one of each in turn, so the box's drift hits every side alike."""
+    this process, one of each in turn, so the box's drift hits every side alike. The order
+    rotates each round: whatever one request leaves behind falls on every side equally often."""
     merged = {name: {"ttft": [], "itl": [], "stages": {}, "outcomes": {}, "prompt_tokens": []} for name in sets}
     merged["engine"] = {"ttft": [], "itl": []}
+    players = ["engine", *sets]
     rounds = max(len(engine_convs), *(len(convs) for _, convs, _ in sets.values()))
-    for i in tqdm(range(rounds), desc="engine and stack in turn (engine, " + ", ".join(sets) + ")", unit="round"):
-        if i < len(engine_convs):
+    for i in tqdm(range(rounds), desc="engine and stack in turn (" + ", ".join(players) + ")", unit="round"):
+        for name in players[i % len(players):] + players[: i % len(players)]:
             time.sleep(SETTLE_S)
-            first, gaps = engine.sample(engine_convs[i], max_tokens)
-            merged["engine"]["ttft"].append(first)
-            merged["engine"]["itl"].extend(gaps)
-        for name, (base, convs, headers) in sets.items():
+            if name == "engine":
+                if i < len(engine_convs):
+                    first, gaps = engine.sample(engine_convs[i], max_tokens)
+                    merged["engine"]["ttft"].append(first)
+                    merged["engine"]["itl"].extend(gaps)
+                continue
+            base, convs, headers = sets[name]
             if i >= len(convs):
                 continue
-            time.sleep(SETTLE_S)
             one, into = stack_samples(base, model, convs[i : i + 1], max_tokens, headers, progress=False), merged[name]
             for key in ("ttft", "itl", "prompt_tokens"):
                 into[key].extend(one[key])
