@@ -185,6 +185,11 @@ class Pipeline:
         # Built here even with placement: remote, to know which requests need the embedding.
         self.router = make_router(args.router, large, small)
         self.load = LoadTracker(args.router.load_aware, large, small)
+        # Models whose replicas draft from a request's hint (a semantic-cache near miss).
+        self._hint_models = {
+            stage.engine.model_id for stage in (args.target, args.draft)
+            if stage.engine.kind != "vllm" and stage.speculative.method != "none" and stage.speculative.use_hints
+        }
         self.route_counts: dict[str, int] = {}  # "model/reason" -> requests
         self.cache_failures = 0  # lookups that failed or timed out and were served as misses
         # Set by the deployment (telemetry/): None records nothing, as in unit tests without Ray.
@@ -503,11 +508,10 @@ class Pipeline:
             if builder is not self.prompts[p.requested_model]:
                 p.prompt_ids = p.tokenize(builder)  # the routed model speaks another vocabulary
             generate = GenerateRequest(ctx.request_id, p.prompt_ids, p.sampling, ctx.target_unix())
-            if hint is not None and hint.response is not None:
+            if hint is not None:
                 # A near miss: not safe to serve, but a good guess. The target verifies every
                 # token of it, so the answer is exactly what it would have produced anyway.
-                generate.draft_hint_ids = builder.tokenizer.encode(hint.response.text, add_special_tokens=False)
-                p.cache_state = "hint"
+                generate.draft_hint_ids = self._hint_ids(p, decision.model_id, builder, hint)
             if p.trace is not None and p.trace.sampled:
                 generate.trace = p.trace.start_model_call(decision.model_id)
             stream = self._start(decision.model_id, generate, p)
@@ -524,12 +528,12 @@ class Pipeline:
                     stream = None
                     permit.release()
                     return self._cached(p, found)
-                if found.outcome == "hint" and found.response is not None and not p.coalesced:
+                if found.outcome == "hint" and not p.coalesced:
                     # The near miss still rides along: the replica hands it to the request's
                     # drafters, which are idle until its prefill (well under way) is done.
-                    hint_ids = builder.tokenizer.encode(found.response.text, add_special_tokens=False)
-                    self.backends.late_hint(decision.model_id, ctx.request_id, hint_ids)
-                    p.cache_state = "hint"
+                    hint_ids = self._hint_ids(p, decision.model_id, builder, found)
+                    if hint_ids:
+                        self.backends.late_hint(decision.model_id, ctx.request_id, hint_ids)
             try:
                 first = await first_chunk
             except ReplicaFailed as err:
@@ -600,6 +604,14 @@ class Pipeline:
             if stream is not None:
                 stream.cancel()
             raise
+
+    def _hint_ids(self, p: Prepared, model_id: str, builder: PromptBuilder, hint: Lookup) -> list[int] | None:
+        """A near miss's answer as draft tokens for `model_id`, or None where that model can't
+        draft from it (no speculation, hints off, vLLM): then it costs no encode and no hop."""
+        if hint.response is None or model_id not in self._hint_models:
+            return None
+        p.cache_state = "hint"
+        return builder.tokenizer.encode(hint.response.text, add_special_tokens=False)
 
     def _overlap_lookup(self) -> bool:
         """Start the model before the cache lookup returns? `idle`: only while nothing runs on

@@ -380,6 +380,30 @@ def test_idle_overlap_starts_the_model_beside_the_lookup_only_while_nothing_runs
         assert pipeline._overlap_lookup() is (mode is True), mode
 
 
+def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
+    from ingress.pipeline import Pipeline, Prepared
+    from semantic_cache.cache import Lookup
+    from semantic_cache.exact import CachedResponse
+
+    args = serve_file.args.model_copy(deep=True)
+    target, small = args.target.engine.model_id, args.draft.engine.model_id
+    pipeline = Pipeline(args, backends=None, prompts={})
+    assert pipeline._hint_models == {target}  # the small model does not speculate
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens):
+            return [len(word) for word in text.split()]
+
+    class Builder:
+        tokenizer = Tokenizer()
+
+    hint = Lookup("hint", CachedResponse("fifteen percent is 45", "stop", 5, 4, target), 0.8)
+    p = Prepared.__new__(Prepared)
+    p.cache_state = "miss"
+    assert pipeline._hint_ids(p, small, Builder(), hint) is None and p.cache_state == "miss"
+    assert pipeline._hint_ids(p, target, Builder(), hint) == [7, 7, 2, 2] and p.cache_state == "hint"
+
+
 def test_cache_key_follows_the_server_default_budget(serve_file):
     """The key is made before tokenizing, from the requested max_tokens; a request that leaves it
     to the server must not reuse answers made under another default budget."""
