@@ -14,6 +14,12 @@ who is queued ahead, the fleet's load from the controller) and online service-ti
     shed           predicted to miss its deadline wherever it waits, or the queue is full:
                    503 at once, with the prediction and a Retry-After.
 
+A tier may bound the wait itself (`max_queue_ms`): its requests queue only when a slot is
+predicted within that bound, and leave the queue when it passes. Output length is a guess, so
+"the running request ahead will finish in 300 ms" often isn't true; a TTFT-tier request that
+waits for it and is then dropped has waited up to its whole TTFT budget for a 503, where a shed
+at arrival takes milliseconds.
+
 An idle model takes a request it can start in time (`_idle_takes`): nothing is gained by turning
 it away.
 
@@ -64,6 +70,7 @@ class Ticket:
     first_at: float = 0.0  # predicted first token
     finish_at: float = 0.0  # predicted last token
     prefilled: bool = False  # its first token arrived: its prefill delays no one any more
+    max_wait: float | None = None  # seconds it may wait in the queue (its tier's max_queue_ms)
 
 
 @dataclass
@@ -80,7 +87,7 @@ class Prediction:
 class Rejection(Exception):
     """Why a request was not admitted. Rendered as 503 + Retry-After + JSON body."""
 
-    reason: str  # "queue_full" | "deadline_unmeetable" | "deadline_in_queue"
+    reason: str  # "queue_full" | "deadline_unmeetable" | "queue_wait_limit" | "deadline_in_queue" | "queue_timeout"
     message: str
     retry_after_s: int
     queued_ahead: int
@@ -248,6 +255,12 @@ class AdmissionGate:
         """Would `acquire` start or queue this ticket (rather than shed it) right now?"""
         return self.check(t) is None
 
+    def in_time(self, t: Ticket) -> bool:
+        """Would it start now and meet its own deadlines? Stricter than `would_meet`: an idle
+        box takes a request even when its first token is predicted late."""
+        now = self._clock()
+        return not self._queue_ahead(t) and self.inflight < self.max_inflight and self._fits_now(t, now)
+
     def check(self, t: Ticket) -> Rejection | None:
         """The rejection `acquire` would raise at once, without queueing anything; None if it
         would start or queue the ticket."""
@@ -263,12 +276,17 @@ class AdmissionGate:
     def _wait_rejection(self, t: Ticket, ahead: list[Ticket], now: float) -> Rejection | None:
         """For a ticket that can't start now: why it may not wait either, or None to queue it."""
         if self.queued >= self.max_queued:
-            return self._reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
+            return self.reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
         predicted = self.predict(t, ahead, now)
         if not self._meets(t, predicted, now):
-            return self._reject(
+            return self.reject(
                 "deadline_unmeetable", "the service can't meet this request's deadline at the current load",
                 t, len(ahead), predicted,
+            )
+        if t.max_wait == 0 or (t.max_wait is not None and predicted.wait_ms > t.max_wait * 1000):
+            limit = "this tier does not queue" if t.max_wait == 0 else f"this tier's queue-wait limit is {t.max_wait * 1000:.0f} ms"
+            return self.reject(
+                "queue_wait_limit", f"the service can't start this request now, and {limit}", t, len(ahead), predicted,
             )
         return None
 
@@ -304,15 +322,21 @@ class AdmissionGate:
         first_ms, last_ms = self._service_ms(t, max(1, self.concurrency()))
         latest = min((t.deadline or INF) - last_ms / 1000, (t.ttft_deadline or INF) - first_ms / 1000)
         timeout = None if latest == INF else max(0.0, latest - now)
+        capped = t.max_wait is not None and (timeout is None or t.max_wait < timeout)
+        if capped:
+            timeout = t.max_wait
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout=timeout)
         except asyncio.TimeoutError:
             if waiter.done() and not waiter.cancelled():
                 return  # started in the same instant the timeout fired: keep the slot
             waiter.cancel()
-            raise self.count(self._reject(
-                "deadline_in_queue", "the request's deadline could no longer be met while it waited",
-                t, len(ahead), waited_ms=(self._clock() - now) * 1000,
+            reason, message = (
+                ("queue_timeout", "no slot freed within this tier's queue-wait limit") if capped
+                else ("deadline_in_queue", "the request's deadline could no longer be met while it waited")
+            )
+            raise self.count(self.reject(
+                reason, message, t, len(ahead), waited_ms=(self._clock() - now) * 1000,
             )) from None
         except asyncio.CancelledError:  # the client went away while queued
             if waiter.done() and not waiter.cancelled():
@@ -362,7 +386,7 @@ class AdmissionGate:
         self._queue = [e for e in self._queue if not e[4].done()]
         heapq.heapify(self._queue)
 
-    def _reject(self, reason: str, message: str, t: Ticket, ahead: int, predicted: Prediction | None = None,
+    def reject(self, reason: str, message: str, t: Ticket, ahead: int, predicted: Prediction | None = None,
                 waited_ms: float = 0.0) -> Rejection:
         now = self._clock()
         # Retry when the earliest running request is predicted to finish.

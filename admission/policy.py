@@ -82,6 +82,7 @@ class AdmissionPolicy:
         return Ticket(
             model_id, ctx.tier, tier.priority, prompt_tokens, max_tokens,
             deadline=ctx.target_deadline, ttft_deadline=ctx.ttft_deadline, arrived=ctx.received,
+            max_wait=None if tier.max_queue_ms is None else tier.max_queue_ms / 1000,
         )
 
     def shed_early(self, candidates: list[Ticket]) -> list[bool]:
@@ -94,6 +95,19 @@ class AdmissionPolicy:
             assert rej is not None
             raise _shed(candidates[0], self.gate.count(rej))
         return [r is None for r in rejections]
+
+    def shed_undecided(self, large: Ticket, waited_ms: float) -> APIError:
+        """The large model can't take the request and its tier may not be downgraded, so the
+        router's verdict decides: served small, or shed. No verdict within `verdict_wait_ms`:
+        shed now, where waiting for it made the slowest 503s under load."""
+        rej = self.gate.reject(
+            "deadline_unmeetable",
+            f"the large model can't meet this request's deadline at the current load, and the router did not "
+            f"decide within {self.config.verdict_wait_ms:.0f} ms whether the small model may take it "
+            f"(this tier does not downgrade)",
+            large, 0, waited_ms=waited_ms,
+        )
+        return _shed(large, self.gate.count(rej))
 
     async def admit(self, ticket: Ticket) -> None:
         """Start, queue (EDF within tier), or 503 with the prediction and a Retry-After."""

@@ -38,6 +38,8 @@ TTFT_SLO_MS = 1_000
 CLIENT_GRACE_S = 5.0
 MAX_TOKENS = [(16, 0.3), (32, 0.3), (64, 0.3), (128, 0.1)]
 LOAD_FACTORS = [0.5, 1.0, 2.0, 4.0]
+# 503s that waited in the admission queue first: past the latest useful start, or the tier's wait limit
+QUEUE_DROPS = {"deadline_in_queue", "queue_timeout"}
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Outcome:
     code: str | None = None
     route: str | None = None
     predicted_ttft_ms: float | None = None  # x-admission-predicted, when admission admitted it
-    server_timing: str = ""  # a shed's Server-Timing: where the server spent the time to shed
+    server_timing: str = ""  # where the server spent the time: to shed, or to the first token
 
     @property
     def good(self) -> bool:
@@ -99,10 +101,10 @@ async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, de
             out.status = resp.status_code
             out.route = resp.headers.get("x-route")
             out.predicted_ttft_ms = _predicted_ttft(resp.headers.get("x-admission-predicted"))
+            out.server_timing = resp.headers.get("server-timing", "")  # a stream's: up to its first token
             if resp.status_code != 200:
                 raw = await resp.aread()
                 out.e2e_ms = (time.perf_counter() - start) * 1000
-                out.server_timing = resp.headers.get("server-timing", "")
                 try:
                     out.code = json.loads(raw)["error"]["code"]
                 except Exception:
@@ -186,13 +188,16 @@ def _predicted_ttft(header: str | None) -> float | None:
 def _calibration(admitted: list[Outcome]) -> dict:
     """Measured TTFT / predicted TTFT of the admitted interactive requests (> 1: admission was
     optimistic), and the prediction of every one that missed its TTFT SLO."""
-    pairs = [(o.ttft_ms, o.predicted_ttft_ms) for o in admitted
-             if o.tier == "interactive" and o.ttft_ms is not None and o.predicted_ttft_ms]
-    ratios = [measured / predicted for measured, predicted in pairs]
+    judged = [o for o in admitted if o.tier == "interactive" and o.ttft_ms is not None and o.predicted_ttft_ms]
+    ratios = [o.ttft_ms / o.predicted_ttft_ms for o in judged]
     return {
         "ttft_measured_over_predicted_p50": round(percentile(ratios, 0.5), 2) if ratios else None,
         "ttft_measured_over_predicted_p95": round(percentile(ratios, 0.95), 2) if ratios else None,
-        "ttft_slo_misses": [{"measured_ms": round(m), "predicted_ms": round(p)} for m, p in pairs if m > TTFT_SLO_MS],
+        "ttft_slo_misses": [
+            {"measured_ms": round(o.ttft_ms), "predicted_ms": round(o.predicted_ttft_ms), "route": o.route,
+             "server": server_timing(o.server_timing)}
+            for o in judged if o.ttft_ms > TTFT_SLO_MS
+        ],
     }
 
 
@@ -221,8 +226,8 @@ def _point(outcomes: list[Outcome], window_s: float, load_factor: float, admissi
         "e2e_p99_ms": _p([o.e2e_ms for o in completed], 0.99),
         "shed_rate": round(len(shed) / len(outcomes), 3) if outcomes else 0.0,
         "shed_p99_ms": _p([o.e2e_ms for o in shed], 0.99),  # every 429/503, queue drops included
-        "shed_at_arrival_p99_ms": _p([o.e2e_ms for o in shed if o.code != "deadline_in_queue"], 0.99),
-        "dropped_in_queue": sum(o.code == "deadline_in_queue" for o in shed),
+        "shed_at_arrival_p99_ms": _p([o.e2e_ms for o in shed if o.code not in QUEUE_DROPS], 0.99),
+        "dropped_in_queue": sum(o.code in QUEUE_DROPS for o in shed),
         "shed_codes": _count(o.code for o in shed),
         **_shed_profile(shed),
         "errors": _count(o.code for o in outcomes if o.kind == "error"),
@@ -236,7 +241,7 @@ def _point(outcomes: list[Outcome], window_s: float, load_factor: float, admissi
 def _shed_profile(shed: list[Outcome]) -> dict:
     """Where the slowest sheds at arrival spent their time: the server's own total against
     the client's, and how many were decided only after the cache lookup and routing."""
-    at_arrival = [o for o in shed if o.code != "deadline_in_queue"]
+    at_arrival = [o for o in shed if o.code not in QUEUE_DROPS]
     timings = [server_timing(o.server_timing) for o in at_arrival]
     totals = [t["total"] for t in timings if "total" in t]
     slowest = sorted(zip(at_arrival, timings), key=lambda x: -x[0].e2e_ms)[:3]

@@ -289,6 +289,10 @@ class TierConfig(_Strict):
     downgrade: bool = Field(
         False, description="model=auto requests may go to the small model when only it can meet the deadline"
     )
+    max_queue_ms: float | None = Field(
+        None, ge=0, description="longest wait in the admission queue: queued only if a slot is predicted "
+        "within it, shed (queue_timeout) when it passes; 0: start now or shed. None: until its latest useful start",
+    )
 
 
 class TenantLimits(_Strict):
@@ -304,7 +308,7 @@ class TenantLimits(_Strict):
 
 def _default_tiers() -> dict[str, TierConfig]:
     return {
-        "interactive": TierConfig(priority=0, ttft_ms=1000, e2e_ms=15_000, downgrade=True),
+        "interactive": TierConfig(priority=0, ttft_ms=1000, e2e_ms=15_000, downgrade=True, max_queue_ms=0),
         "batch": TierConfig(priority=1, e2e_ms=120_000),
     }
 
@@ -333,6 +337,10 @@ class AdmissionConfig(_Strict):
     prior_itl_ms: float = Field(60.0, gt=0, description="decode ms/token assumed until measured")
     prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until measured")
     safety: float = Field(1.1, ge=1.0, description="predicted times are multiplied by this before comparing")
+    verdict_wait_ms: float = Field(
+        30.0, ge=0, description="a model=auto request only the small model can take, in a tier without "
+        "downgrade, waits this long for the router's verdict (its embedding: 45-80 ms under load), then is shed",
+    )
     estimate_max_age_s: float = Field(
         30.0, gt=0, description="a concurrency level's service-time estimate not refreshed for this long starts "
         "to fade toward the extrapolation from fresher levels, so one slow spell can't keep admission shut for good",

@@ -124,6 +124,10 @@ class Prepared:
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
 
 
+# How often a request waiting for the router checks that some model can still take it.
+RECHECK_S = 0.01
+
+
 def _downgrade(p: Prepared, small: str) -> RouteDecision:
     """Send the request to the small model, saying so in its response headers."""
     p.notes["x-admission"] = "downgraded; the large model could not meet the deadline"
@@ -473,22 +477,25 @@ class Pipeline:
             # or routing (the exact-match hop already in flight is cancelled), so a shed answer
             # costs microseconds here even under load. Even a would-be cache hit is shed.
             forced: RouteDecision | None = None
+            tickets: list[Ticket] = []
             if p.mode == "predictive":
                 auto = p.requested_model == self.args.router.auto_model_id
                 large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
                 models = [large, small] if auto else [p.requested_model]
                 if auto and not p.tier.downgrade and fixed_route(self.args.router, p.features, large) is not None:
                     models = [large]  # too big for the small model, and no downgrade: only large counts
-                feasible = self.admission.shed_early(
-                    [self.admission.ticket(m, ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
-                )
-                if auto and p.tier.downgrade and feasible == [False, True]:
-                    # Only the small model can make the deadline and the tier allows it: whatever
-                    # the router would say, admission would downgrade. Skip routing (its embedding
-                    # costs 15-80 ms on a loaded box) and go there now.
-                    forced = _downgrade(p, small)
+                tickets = [self.admission.ticket(m, ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
+                feasible = self.admission.shed_early(tickets)
+                if auto and feasible == [False, True]:
+                    if p.tier.downgrade:
+                        # Only the small model can make the deadline and the tier allows it:
+                        # whatever the router would say, admission would downgrade. Skip routing
+                        # (its embedding costs 15-80 ms on a loaded box) and go there now.
+                        forced = _downgrade(p, small)
             clock.stage("admit")
             routing = asyncio.ensure_future(self._route(p)) if forced is None else None  # beside the lookup
+            if routing is not None and tickets:
+                await self._await_verdict(p, routing, tickets)
             if lookup is not None and not self._overlap_lookup():
                 found, lookup = await lookup, None
                 clock.stage("lookup")
@@ -605,6 +612,22 @@ class Pipeline:
                 stream.cancel()
             raise
 
+    async def _await_verdict(self, p: Prepared, routing: asyncio.Future, tickets: list[Ticket]) -> None:
+        """Wait for the router, but shed as soon as the answer is no longer in doubt. Its
+        embedding took 45-80 ms on a loaded box, and the requests shed after it were the slowest
+        503s: one that only the small model could take in a tier without downgrade (the verdict
+        alone decides serve or shed, so it waits `verdict_wait_ms` at most), and one that every
+        model could take at arrival but none can by now (the box filled up meanwhile)."""
+        wait_s = self.args.admission.verdict_wait_ms / 1000
+        while True:
+            await asyncio.wait({routing}, timeout=wait_s)
+            if routing.done():
+                return
+            feasible = self.admission.shed_early(tickets)  # raises if no model can take it now
+            if feasible == [False, True] and not p.tier.downgrade:
+                raise self.admission.shed_undecided(tickets[0], (time.perf_counter() - p.clock.start) * 1000)
+            wait_s = RECHECK_S
+
     def _hint_ids(self, p: Prepared, model_id: str, builder: PromptBuilder, hint: Lookup) -> list[int] | None:
         """A near miss's answer as draft tokens for `model_id`, or None where that model can't
         draft from it (no speculation, hints off, vLLM): then it costs no encode and no hop."""
@@ -634,10 +657,12 @@ class Pipeline:
             p.tier.downgrade
             and p.requested_model == self.args.router.auto_model_id
             and decision.model_id != small
-            and not self.gate.would_meet(ticket)
+            and not self.gate.in_time(ticket)
         ):
+            # The large model would shed it, or take it (an idle box takes anything) but miss
+            # its deadlines: the small model takes it if it can, better still in time.
             alt = self.admission.ticket(small, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
-            if self.gate.would_meet(alt):
+            if self.gate.in_time(alt) or (not self.gate.would_meet(ticket) and self.gate.would_meet(alt)):
                 ticket, decision = alt, _downgrade(p, small)
         await self.admission.admit(ticket)
         # The gate's promise, so a client (and bench load) can hold it to it.

@@ -43,7 +43,8 @@ CONTROLLER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 # Admission's refusals: these count as shed (the rest of the 4xx/5xx are errors).
 SHED_REASONS = {
-    "deadline_unmeetable", "deadline_in_queue", "queue_full", "rate_limit_requests", "rate_limit_tokens",
+    "deadline_unmeetable", "deadline_in_queue", "queue_full", "queue_wait_limit", "queue_timeout",
+    "rate_limit_requests", "rate_limit_tokens",
 }
 
 

@@ -106,9 +106,10 @@ def service(serve_file, otlp_sink):
         args.admission.max_queued = TEST_MAX_QUEUED
         args.ingress.body_timeout_s = TEST_BODY_TIMEOUT_S
         # The shared test service keeps the tiers' budgets but not their deadlines: a slow CI box
-        # must not shed ordinary tests' requests. Admission tests send their own deadlines.
+        # must not shed ordinary tests' requests, nor a busy moment turn them away unqueued.
+        # Admission tests send their own deadlines.
         for name, tier in list(args.admission.tiers.items()):
-            args.admission.tiers[name] = tier.model_copy(update={"ttft_ms": None, "e2e_ms": 600_000})
+            args.admission.tiers[name] = tier.model_copy(update={"ttft_ms": None, "e2e_ms": 600_000, "max_queue_ms": None})
         # Downgrades without a TTFT target: whether the small model takes the request then depends
         # only on it being idle, not on how fast the shared cores happen to be right now.
         args.admission.tiers[DOWNGRADE_TIER] = TierConfig(priority=0, e2e_ms=600_000, downgrade=True)

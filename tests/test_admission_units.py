@@ -167,6 +167,46 @@ def test_gate_drops_a_queued_request_when_its_latest_start_passes_and_frees_canc
     asyncio.run(main())
 
 
+def test_a_tier_queue_wait_limit_sheds_at_arrival_or_leaves_the_queue_when_it_passes():
+    """max_queue_ms: queued only for a slot predicted within it, shed when it passes, where
+    without the limit the same request would wait on for its (unbounded) deadline."""
+    async def main():
+        gate = _gate(itl_ms=1, max_inflight=1)
+        running = _ticket(200, deadline_s=None)  # predicted 100 tokens x 1 ms: a slot in ~100 ms
+        await gate.acquire(running)
+        capped = _ticket(20, deadline_s=None)
+        capped.max_wait = 0.02
+        start = time.monotonic()
+        with pytest.raises(Rejection) as shed:
+            await gate.acquire(capped)
+        assert shed.value.reason == "queue_wait_limit" and shed.value.predicted.wait_ms > 20
+        assert time.monotonic() - start < 0.01 and gate.queued == 0
+
+        roomy = _ticket(20, deadline_s=None)
+        roomy.max_wait = 0.15  # the slot is due within it: queued, but `running` overruns
+        start = time.monotonic()
+        with pytest.raises(Rejection) as dropped:
+            await gate.acquire(roomy)
+        waited = time.monotonic() - start
+        assert dropped.value.reason == "queue_timeout" and 0.14 < waited < 0.25
+        assert dropped.value.waited_ms == pytest.approx(waited * 1000, abs=20)
+
+        never = _ticket(20, deadline_s=None)
+        never.max_wait = 0  # start now or shed, whatever the predicted wait
+        with pytest.raises(Rejection) as at_once:
+            await gate.acquire(never)
+        assert at_once.value.reason == "queue_wait_limit" and "does not queue" in at_once.value.message
+
+        unbounded = asyncio.create_task(gate.acquire(_ticket(20, deadline_s=None)))
+        await asyncio.sleep(0.2)
+        assert not unbounded.done() and gate.queued == 1, "no limit: it waits for the slot"
+        gate.release(running)
+        await unbounded
+        assert gate.rejected == {"queue_wait_limit": 2, "queue_timeout": 1}
+
+    asyncio.run(main())
+
+
 def test_a_request_running_past_its_predicted_finish_is_expected_to_overrun_as_long_again():
     """Not to end this instant: what can't wait that long is shed at arrival, not dropped from
     the queue after waiting for a slot that did not come."""

@@ -149,3 +149,84 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
     assert p.clock.ms("route.decide") is not None and p.clock.ms("lookup.embed") is not None
     _, decision, _ = asyncio.run(both("Prove that there are infinitely many primes.", {"cache-control": "no-cache"}))
     assert decision.reason == "classifier_hard" and len(counting.texts) == 2
+
+
+def test_a_shed_that_hinges_on_the_routers_verdict_waits_for_it_only_verdict_wait_ms(serve_file, tokenizer, embedder):
+    """The large model is busy, the small one idle, and the batch tier may not be downgraded:
+    the router's verdict decides between serving (small) and shedding (large). When the
+    embedding behind it is slow (a loaded box), the request is shed after verdict_wait_ms,
+    not after the embedding."""
+    import time
+
+    from admission.gate import Ticket
+    from ingress.context import context_from_headers
+    from ingress.errors import APIError
+    from ingress.pipeline import Pipeline
+    from ingress.prompts import PromptBuilder
+    from semantic_cache.cache import Lookup
+
+    class SlowBackends:  # the SemanticCache replica on a loaded box
+        async def cache_lookup(self, key, scope, query):
+            await asyncio.sleep(1.0)
+            return Lookup("miss", vector=await embedder.embed_async(query))
+
+    args = serve_file.args.model_copy(deep=True)
+    args.admission.verdict_wait_ms = 30
+    builder = PromptBuilder(tokenizer)
+    large, small = args.target.engine.model_id, args.draft.engine.model_id
+    prompts = {large: builder, small: builder, "auto": builder}
+    pipeline = Pipeline(args, SlowBackends(), prompts, embedder)  # type: ignore[arg-type]
+    busy = Ticket(large, "batch", 1, 10, 1000)
+    busy.finish_at = time.monotonic() + 600  # the large model won't free up in time
+    pipeline.gate.running.add(busy)
+
+    async def serve() -> tuple[APIError, float]:
+        ctx = context_from_headers({"x-slo-tier": "batch", "x-request-deadline-ms": "4000"})
+        tier = pipeline.admission.tier(ctx)
+        body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
+                "max_tokens": 100, "temperature": 0}  # within the small model's limits: the classifier decides
+        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
+        start = time.perf_counter()
+        with pytest.raises(APIError) as shed:
+            await pipeline._serve(p)
+        return shed.value, time.perf_counter() - start
+
+    err, took = asyncio.run(serve())
+    assert err.status == 503 and err.code == "deadline_unmeetable", err.message
+    assert "did not decide within 30 ms" in err.message
+    assert 0.03 <= took < 0.5, took  # not the embedding's 1 s
+    assert pipeline.gate.rejected == {"deadline_unmeetable": 1}
+
+
+def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_model_in_time(serve_file, tokenizer, embedder):
+    """An idle box takes any request, even one whose first token is predicted past its TTFT
+    target. In a tier that allows downgrade, the small model takes it instead when it can
+    answer in time; a named model is never moved."""
+    from ingress.context import context_from_headers
+    from ingress.pipeline import Pipeline
+    from ingress.prompts import PromptBuilder
+    from router.base import RouteDecision
+
+    args = serve_file.args.model_copy(deep=True)
+    builder = PromptBuilder(tokenizer)
+    large, small = args.target.engine.model_id, args.draft.engine.model_id
+    pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
+    pipeline.admission.estimates[large].prefill_ms_per_token.add(1, 20.0)  # a long prompt: > 1 s to its first token
+    pipeline.admission.estimates[small].prefill_ms_per_token.add(1, 0.5)
+
+    async def admit(model: str) -> tuple[str, str, bool]:
+        ctx = context_from_headers({})  # the default tier: interactive, TTFT 1 s, downgrade allowed
+        tier = pipeline.admission.tier(ctx)
+        body = {"model": model, "messages": [{"role": "user", "content": "Summarize this. " + "The sea is blue. " * 20}],
+                "max_tokens": 16, "temperature": 0}
+        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
+        pipeline._tokenize(p)
+        assert len(p.prompt_ids) > 60
+        ticket = pipeline.admission.ticket(large, ctx, tier, len(p.prompt_ids), 16)
+        late = not pipeline.gate.in_time(ticket) and pipeline.gate.would_meet(ticket)
+        permit, decision = await pipeline._admit(p, RouteDecision(large, "classifier_hard"))
+        permit.release()
+        return decision.model_id, decision.reason, late
+
+    assert asyncio.run(admit("auto")) == (small, "deadline_downgrade", True)
+    assert asyncio.run(admit(large))[:2] == (large, "classifier_hard")
