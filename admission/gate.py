@@ -182,13 +182,13 @@ class AdmissionGate:
                 self.ttft_bias.add(min(4.0, measured * t.ttft_scale / predicted))
         t.prefilled = True
 
-    def _fits_now(self, t: Ticket, now: float) -> bool:
+    def _fits_now(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> bool:
         """Can it start now without missing its own deadlines or pushing a running one past its?"""
         c = self.concurrency() + 1
         first_ms, last_ms = self._service_ms(t, c)
         ahead_ms = self._prefills_ahead_ms(now)
         first_ms, last_ms = first_ms + ahead_ms, last_ms + ahead_ms
-        if t.ttft_deadline is not None and now + first_ms / 1000 > t.ttft_deadline:
+        if t.ttft_deadline is not None and now + first_ms * ttft_headroom / 1000 > t.ttft_deadline:
             return False
         if t.deadline is not None and now + last_ms / 1000 > t.deadline:
             return False
@@ -255,11 +255,12 @@ class AdmissionGate:
         """Would `acquire` start or queue this ticket (rather than shed it) right now?"""
         return self.check(t) is None
 
-    def in_time(self, t: Ticket) -> bool:
-        """Would it start now and meet its own deadlines? Stricter than `would_meet`: an idle
-        box takes a request even when its first token is predicted late."""
+    def in_time(self, t: Ticket, ttft_headroom: float = 1.0) -> bool:
+        """Would it start now and meet its own deadlines, its first token with `ttft_headroom`
+        to spare? Stricter than `would_meet`: an idle box takes a request even when its first
+        token is predicted late."""
         now = self._clock()
-        return not self._queue_ahead(t) and self.inflight < self.max_inflight and self._fits_now(t, now)
+        return not self._queue_ahead(t) and self.inflight < self.max_inflight and self._fits_now(t, now, ttft_headroom)
 
     def check(self, t: Ticket) -> Rejection | None:
         """The rejection `acquire` would raise at once, without queueing anything; None if it

@@ -362,3 +362,14 @@ def test_a_new_prefill_is_predicted_to_wait_for_the_step_in_progress_a_speculati
     first, _ = gate._service_ms(t, 2)
     assert first == pytest.approx(est.prefill_ms(100, 2) + 50.0)
     assert not gate._fits_now(t, time.monotonic()), "~150 ms of prefill + a 50 ms round miss a 150 ms TTFT target"
+
+
+def test_in_time_is_stricter_than_would_meet_and_takes_a_ttft_headroom():
+    """An idle box takes a request whose first token is predicted late (would_meet), but it is
+    not in time; with a headroom, one that cuts its TTFT close is not in time either."""
+    gate = _gate(itl_ms=1)  # prefill 0.1 ms/token (prior)
+    now = time.monotonic()
+    late = Ticket("m", "t", 0, 1000, 10, deadline=now + 60, ttft_deadline=now + 0.05)  # 100 ms prefill
+    assert gate.would_meet(late) and not gate.in_time(late)
+    close = Ticket("m", "t", 0, 1000, 10, deadline=now + 60, ttft_deadline=now + 0.13)  # 100 of 130 ms
+    assert gate.in_time(close) and not gate.in_time(close, ttft_headroom=1.5)
