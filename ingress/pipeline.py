@@ -132,9 +132,15 @@ RECHECK_S = 0.01
 DOWNGRADE_TTFT_HEADROOM = 1.5
 
 
+def _upgrade(p: Prepared, large: str) -> RouteDecision:
+    """Send the request to the large model: the small one the router chose can't take it."""
+    p.notes["x-admission"] = "upgraded; the small model could not take the request at this load"
+    return RouteDecision(large, "deadline_upgrade")
+
+
 def _downgrade(p: Prepared, small: str) -> RouteDecision:
     """Send the request to the small model, saying so in its response headers."""
-    p.notes["x-admission"] = "downgraded; the large model could not meet the deadline"
+    p.notes["x-admission"] = "downgraded; the large model was predicted to miss the deadline or cut it close"
     return RouteDecision(small, "deadline_downgrade")
 
 
@@ -656,10 +662,17 @@ class Pipeline:
             p.admitted_at = time.perf_counter()
             return Permit(None), decision
         ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
-        small = self.args.draft.engine.model_id
-        if (
+        large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
+        auto = p.requested_model == self.args.router.auto_model_id
+        if auto and decision.model_id == small and not self.gate.would_meet(ticket):
+            # The router chose the small model, which can't take it now, but the large one can:
+            # a better answer beats a 503.
+            alt = self.admission.ticket(large, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
+            if self.gate.would_meet(alt):
+                ticket, decision = alt, _upgrade(p, large)
+        elif (
             p.tier.downgrade
-            and p.requested_model == self.args.router.auto_model_id
+            and auto
             and decision.model_id != small
             and not self.gate.in_time(ticket, DOWNGRADE_TTFT_HEADROOM)
         ):

@@ -230,3 +230,37 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
 
     assert asyncio.run(admit("auto")) == (small, "deadline_downgrade", True)
     assert asyncio.run(admit(large))[:2] == (large, "classifier_hard")
+
+
+def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rather_than_a_503(serve_file, tokenizer, embedder):
+    from admission.gate import Ticket
+    from ingress.context import context_from_headers
+    from ingress.pipeline import Pipeline
+    from ingress.prompts import PromptBuilder
+    from router.base import RouteDecision
+
+    args = serve_file.args.model_copy(deep=True)
+    builder = PromptBuilder(tokenizer)
+    large, small = args.target.engine.model_id, args.draft.engine.model_id
+    pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
+    pipeline.admission.estimates[small].prefill_ms_per_token.add(1, 50.0)  # seconds to its first token
+    pipeline.admission.estimates[small].itl.add(1, 10.0)  # measured: no "try it and learn" pass
+    pipeline.admission.estimates[large].prefill_ms_per_token.add(1, 0.5)
+    pipeline.gate.running.add(Ticket("elsewhere", "batch", 1, 10, 10))  # a busy box: no idle-box pass
+
+    async def admit(model: str):
+        ctx = context_from_headers({})  # interactive: TTFT 1 s, no queueing
+        tier = pipeline.admission.tier(ctx)
+        body = {"model": model, "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
+                "max_tokens": 16, "temperature": 0}
+        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
+        pipeline._tokenize(p)
+        permit, decision = await pipeline._admit(p, RouteDecision(small, "classifier_easy"))
+        permit.release()
+        return decision.model_id, decision.reason, p.notes.get("x-admission", "")
+
+    model, reason, note = asyncio.run(admit("auto"))
+    assert (model, reason) == (large, "deadline_upgrade") and note.startswith("upgraded")
+    with pytest.raises(Exception) as shed:  # a named small model is never moved: 503
+        asyncio.run(admit(small))
+    assert getattr(shed.value, "status", None) == 503
