@@ -126,11 +126,6 @@ class Prepared:
 
 # How often a request waiting for the router checks that some model can still take it.
 RECHECK_S = 0.01
-# The large model keeps a model=auto request (in a tier that allows downgrade) when its first
-# token is predicted with this much to spare, else the small model takes it if it has as much.
-# bench load: at p99 the measured TTFT came 2-3x after predictions of 660-955 ms (SLO 1 s), on
-# either model.
-DOWNGRADE_TTFT_HEADROOM = 1.5
 
 
 def _upgrade(p: Prepared, large: str) -> RouteDecision:
@@ -496,17 +491,14 @@ class Pipeline:
                 if auto and not p.tier.downgrade and fixed_route(self.args.router, p.features, large) is not None:
                     models = [large]  # too big for the small model, and no downgrade: only large counts
                 tickets = [self.admission.ticket(m, ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
-                feasible = self.admission.shed_early(tickets)
-                if auto and feasible == [False, True]:
-                    if p.tier.downgrade:
-                        # Only the small model can make the deadline and the tier allows it:
-                        # whatever the router would say, admission would downgrade. Skip routing
-                        # (its embedding costs 15-80 ms on a loaded box) and go there now.
-                        forced = _downgrade(p, small)
+                forced = self._only_small(p, self.admission.shed_early(tickets))
             clock.stage("admit")
             routing = asyncio.ensure_future(self._route(p)) if forced is None else None  # beside the lookup
             if routing is not None and tickets:
-                await self._await_verdict(p, routing, tickets)
+                forced = await self._await_verdict(p, routing, tickets)
+                if forced is not None:
+                    routing.cancel()
+                    routing = None
             if lookup is not None and not self._overlap_lookup():
                 found, lookup = await lookup, None
                 clock.stage("lookup")
@@ -623,19 +615,32 @@ class Pipeline:
                 stream.cancel()
             raise
 
-    async def _await_verdict(self, p: Prepared, routing: asyncio.Future, tickets: list[Ticket]) -> None:
-        """Wait for the router, but shed as soon as the answer is no longer in doubt. Its
-        embedding took 45-80 ms on a loaded box, and the requests shed after it were the slowest
-        503s: one that only the small model could take in a tier without downgrade (the verdict
-        alone decides serve or shed, so it waits `verdict_wait_ms` at most), and one that every
-        model could take at arrival but none can by now (the box filled up meanwhile)."""
+    def _only_small(self, p: Prepared, feasible: list[bool]) -> RouteDecision | None:
+        """Only the small model of an auto request's two can take it: with downgrade allowed,
+        admission would send it there whatever the router says, so it goes now (the router's
+        embedding costs 15-80 ms on a loaded box); without, the router's verdict alone decides
+        between serving and shedding. None: the router decides."""
+        if feasible != [False, True] or p.requested_model != self.args.router.auto_model_id:
+            return None
+        return _downgrade(p, self.args.draft.engine.model_id) if p.tier.downgrade else None
+
+    async def _await_verdict(self, p: Prepared, routing: asyncio.Future, tickets: list[Ticket]) -> RouteDecision | None:
+        """Wait for the router, but not past the point where its answer no longer matters. Its
+        embedding took 45-92 ms on a loaded box, and the requests shed after it were the slowest
+        503s. After `verdict_wait_ms`, and every RECHECK_S after that, what the box can take
+        now is checked again: none of the models, shed; only the small one, downgrade (returned)
+        or, where the tier forbids it, shed rather than wait on for a verdict that would shed
+        it half the time. None: the router answered."""
         wait_s = self.args.admission.verdict_wait_ms / 1000
         while True:
             await asyncio.wait({routing}, timeout=wait_s)
             if routing.done():
-                return
+                return None
             feasible = self.admission.shed_early(tickets)  # raises if no model can take it now
-            if feasible == [False, True] and not p.tier.downgrade:
+            forced = self._only_small(p, feasible)
+            if forced is not None:
+                return forced
+            if feasible == [False, True]:
                 raise self.admission.shed_undecided(tickets[0], (time.perf_counter() - p.clock.start) * 1000)
             wait_s = RECHECK_S
 
@@ -664,27 +669,12 @@ class Pipeline:
             return Permit(None), decision
         ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
         large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
-        auto = p.requested_model == self.args.router.auto_model_id
-        if auto and decision.model_id == small and not self.gate.would_meet(ticket):
-            # The router chose the small model, which can't take it now, but the large one can:
-            # a better answer beats a 503.
-            alt = self.admission.ticket(large, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
-            if self.gate.would_meet(alt):
-                ticket, decision = alt, _upgrade(p, large)
-        elif (
-            p.tier.downgrade
-            and auto
-            and decision.model_id != small
-            and not self.gate.in_time(ticket, DOWNGRADE_TTFT_HEADROOM)
-        ):
-            # The large model would shed it, take it (an idle box takes anything) but miss its
-            # deadlines, or cut its TTFT close: the small model takes it if it is clearly in
-            # time, or if the large one would shed it and the small one would not.
-            alt = self.admission.ticket(small, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
-            if self.gate.in_time(alt, DOWNGRADE_TTFT_HEADROOM) or (
-                not self.gate.would_meet(ticket) and self.gate.would_meet(alt)
-            ):
-                ticket, decision = alt, _downgrade(p, small)
+        if p.requested_model == self.args.router.auto_model_id and decision.model_id in (large, small):
+            to_small = decision.model_id == large
+            other = large if not to_small else small
+            alt = self.admission.ticket(other, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
+            if self.admission.move_to_other(ticket, alt, to_small=to_small, downgrade=p.tier.downgrade):
+                ticket, decision = alt, (_downgrade(p, small) if to_small else _upgrade(p, large))
         await self.admission.admit(ticket)
         # The gate's promise, so a client (and bench load) can hold it to it.
         p.notes["x-admission-predicted"] = (
