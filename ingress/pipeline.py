@@ -671,7 +671,7 @@ class Pipeline:
         large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
         if p.requested_model == self.args.router.auto_model_id and decision.model_id in (large, small):
             to_small = decision.model_id == large
-            other = large if not to_small else small
+            other = small if to_small else large
             alt = self.admission.ticket(other, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
             if self.admission.move_to_other(ticket, alt, to_small=to_small, downgrade=p.tier.downgrade):
                 ticket, decision = alt, (_downgrade(p, small) if to_small else _upgrade(p, large))
