@@ -57,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         "suite": args.suite,
         "started_unix": round(started),
         "duration_s": round(time.time() - started, 1),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu_model": _cpu_model(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
         **result,
     }
     out = Path(args.out)
@@ -66,6 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _cpu_model() -> str:
+    """Ratios between engines shift with the CPU (the fp32 target ran ~30% faster on one host
+    than another, llama.cpp much less), so results say which one measured them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":
