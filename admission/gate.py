@@ -113,6 +113,10 @@ class AdmissionGate:
         self._clock = clock
         self.running: set[Ticket] = set()
         self.others_inflight: dict[str, int] = {}  # other ingress replicas' running, from the controller
+        # Sequences a model's replicas hold at once (llama.cpp KV contexts x replicas); absent:
+        # no fixed limit (a batching engine). Past it, a new request waits in the engine's queue
+        # for a whole answer to finish, which a TTFT prediction from prefill costs never sees.
+        self.seats: dict[str, int] = {}
         self._queue: list[tuple[int, float, int, Ticket, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self.admitted = 0
@@ -145,6 +149,20 @@ class AdmissionGate:
     def concurrency(self) -> int:
         """Requests running on the box, every model's (see the module docstring)."""
         return len(self.running) + sum(self.others_inflight.values())
+
+    def seat_free(self, model_id: str) -> bool:
+        seats = self.seats.get(model_id)
+        if seats is None:
+            return True
+        mine = sum(1 for t in self.running if t.model_id == model_id)
+        return mine + self.others_inflight.get(model_id, 0) < seats
+
+    def _seat_free_at(self, model_id: str, now: float) -> float:
+        """When a seat of `model_id` is expected to free up: the soonest of this ingress's own
+        requests on it to finish (the other ingresses' are known only as counts)."""
+        if self.seat_free(model_id):
+            return now
+        return min((self._finish_estimate(r, now) for r in self.running if r.model_id == model_id), default=now)
 
     def set_limits(self, max_inflight: int, max_queued: int, others_inflight: dict[str, int] | None = None) -> None:
         self.max_inflight = max(1, max_inflight)
@@ -184,6 +202,8 @@ class AdmissionGate:
 
     def _fits_now(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> bool:
         """Can it start now without missing its own deadlines or pushing a running one past its?"""
+        if not self.seat_free(t.model_id):
+            return False
         c = self.concurrency() + 1
         first_ms, last_ms = self._service_ms(t, c)
         ahead_ms = self._prefills_ahead_ms(now)
@@ -215,6 +235,8 @@ class AdmissionGate:
         idle_box = self.concurrency() == 0
         if not idle_box and not self._idle(t.model_id):
             return False
+        if not self.seat_free(t.model_id):
+            return False  # its seats are held by other ingresses' requests
         if self.estimates[t.model_id].itl.levels == {}:
             return True  # nothing measured yet: try it, and learn
         first_ms, _ = self._service_ms(t, self.concurrency() + 1)
@@ -234,6 +256,7 @@ class AdmissionGate:
             free = heapq.heappop(slots)
             heapq.heappush(slots, free + self._service_ms(q, c)[1] / 1000)
         start = slots[0] if (ahead or self.inflight >= self.max_inflight or not self._idle(t.model_id)) else now
+        start = max(start, self._seat_free_at(t.model_id, now))
         first_ms, last_ms = self._service_ms(t, c)
         pending_ms = self._prefills_ahead_ms(start)
         first_ms, last_ms = first_ms + pending_ms, last_ms + pending_ms
@@ -403,6 +426,7 @@ class AdmissionGate:
             "max_queued": self.max_queued,
             "running_by_model": self.running_by_model(),
             "others_inflight": dict(self.others_inflight),
+            "seats": dict(self.seats),
             "admitted": self.admitted,
             "rejected": dict(self.rejected),
             "ttft_bias": None if self.ttft_bias.value is None else round(self.ttft_bias.value, 3),

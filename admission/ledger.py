@@ -24,6 +24,7 @@ class AdmissionShare:
     max_queued: int
     live_replicas: int
     others_inflight: dict[str, int] = field(default_factory=dict)  # the other replicas' running, by model
+    replicas: dict[str, int] = field(default_factory=dict)  # RUNNING replicas by deployment name (the controller's last count)
 
 
 class AdmissionLedger:

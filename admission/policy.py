@@ -35,6 +35,8 @@ class AdmissionPolicy:
             config.max_inflight, config.max_queued, config.retry_after_s, self.estimates, config.safety
         )
         self.limiter = TenantLimiter(config)
+        # model id -> (its deployment, sequences one replica holds): llama.cpp's KV contexts.
+        self.seats_per_replica: dict[str, tuple[str, int]] = {}
         self.synced_at: float | None = None  # when the controller's view last arrived
         self.max_view_age_ms = 0.0  # the stalest the view got between two syncs
 
@@ -148,13 +150,27 @@ class AdmissionPolicy:
 
     # ------------------------------------------------------------------ the controller's view
 
-    def synced(self, max_inflight: int, max_queued: int, others_inflight: dict[str, int], live_replicas: int) -> None:
+    def set_seats(self, seats_per_replica: dict[str, tuple[str, int]], replicas: dict[str, int] | None = None) -> None:
+        """The gate's seat limit per model: one replica's sequences times its live replicas
+        (one until the controller has counted them)."""
+        self.seats_per_replica = dict(seats_per_replica)
+        self.gate.seats = {
+            model: seats * max(1, (replicas or {}).get(deployment, 1))
+            for model, (deployment, seats) in self.seats_per_replica.items()
+        }
+
+    def synced(
+        self, max_inflight: int, max_queued: int, others_inflight: dict[str, int], live_replicas: int,
+        replicas: dict[str, int] | None = None,
+    ) -> None:
         now = time.monotonic()
         if self.synced_at is not None:
             self.max_view_age_ms = max(self.max_view_age_ms, (now - self.synced_at) * 1000)
         self.synced_at = now
         self.gate.set_limits(max_inflight, max_queued, others_inflight)
         self.limiter.share = 1.0 / max(1, live_replicas)
+        if replicas:
+            self.set_seats(self.seats_per_replica, replicas)
 
     def snapshot(self) -> dict:
         age = None if self.synced_at is None else round((time.monotonic() - self.synced_at) * 1000, 1)

@@ -28,7 +28,9 @@ class AdmissionSync:
             gate.inflight, gate.queued, gate.admitted, sum(gate.rejected.values()), gate.running_by_model()
         )
         share = await self._report(self.replica_id, report)
-        self.policy.synced(share.max_inflight, share.max_queued, share.others_inflight, share.live_replicas)
+        self.policy.synced(
+            share.max_inflight, share.max_queued, share.others_inflight, share.live_replicas, share.replicas
+        )
         self.last_share = share
         return share
 

@@ -24,25 +24,30 @@ class AdmissionController:
 
     def __init__(self, args: dict, metrics_enabled: bool = True) -> None:
         self.ledger = AdmissionLedger(AdmissionConfig.model_validate(args))
-        if metrics_enabled:  # the one replica that exports the fleet's replica counts
-            self._replicas_task = asyncio.create_task(self._count_replicas_forever(ControllerMetrics()))
+        # Replica counts by deployment: ingresses size model seats with them (and, with metrics
+        # on, this one replica exports the fleet's counts).
+        self.replicas: dict[str, int] = {}
+        recorder = ControllerMetrics() if metrics_enabled else None
+        self._replicas_task = asyncio.create_task(self._count_replicas_forever(recorder))
 
-    async def _count_replicas_forever(self, recorder: ControllerMetrics, every_s: float = 5.0) -> None:
+    async def _count_replicas_forever(self, recorder: ControllerMetrics | None, every_s: float = 5.0) -> None:
         app = serve.get_replica_context().app_name
         loop = asyncio.get_running_loop()
         while True:
             try:
                 status = await loop.run_in_executor(None, serve.status)  # a controller call: off the loop
                 deployments = status.applications[app].deployments
-                recorder.replicas({
-                    name: int(d.replica_states.get("RUNNING", 0)) for name, d in deployments.items()
-                })
+                self.replicas = {name: int(d.replica_states.get("RUNNING", 0)) for name, d in deployments.items()}
+                if recorder is not None:
+                    recorder.replicas(self.replicas)
             except Exception as exc:
                 log.debug("replica count failed: %r", exc)
             await asyncio.sleep(every_s)
 
     async def report(self, replica_id: str, report: ReplicaReport) -> AdmissionShare:
-        return self.ledger.report(replica_id, report)
+        share = self.ledger.report(replica_id, report)
+        share.replicas = dict(self.replicas)
+        return share
 
     async def totals(self) -> dict[str, int]:
         return self.ledger.totals()

@@ -190,6 +190,12 @@ class Pipeline:
         }
         self.admission = AdmissionPolicy(args.admission)
         self.gate = self.admission.gate
+        # llama.cpp holds a fixed number of sequences per replica; the gate counts them.
+        self.admission.set_seats({
+            stage.engine.model_id: (deployment, stage.engine.max_sequences)
+            for deployment, stage in (("TargetModel", args.target), ("DraftModel", args.draft))
+            if stage.engine.kind == "llama_cpp"
+        })
         self.ready = True  # the deployment sets False until its downstream stages answer
         large, small = args.target.engine.model_id, args.draft.engine.model_id
         # Built here even with placement: remote, to know which requests need the embedding.

@@ -373,3 +373,44 @@ def test_in_time_is_stricter_than_would_meet_and_takes_a_ttft_headroom():
     assert gate.would_meet(late) and not gate.in_time(late)
     close = Ticket("m", "t", 0, 1000, 10, deadline=now + 60, ttft_deadline=now + 0.13)  # 100 of 130 ms
     assert gate.in_time(close) and not gate.in_time(close, ttft_headroom=1.5)
+
+
+def test_a_model_whose_seats_are_all_taken_starts_nothing_new_and_predicts_the_wait_for_one():
+    """llama.cpp holds max_sequences sequences per replica: a request past them waits in the
+    engine's queue for a whole answer to end. The gate counts seats (its own and the other
+    ingresses' requests), so such a request is not started as if it would prefill at once."""
+    now = [0.0]
+    gate = AdmissionGate(8, 4, 1, ServiceEstimates(1.0, 0.1), safety=1.0, clock=lambda: now[0])
+    policy_seats = {"small": ("DraftModel", 2)}
+
+    async def main():
+        from admission.policy import AdmissionPolicy
+        from configs.schemas import AdmissionConfig
+
+        policy = AdmissionPolicy(AdmissionConfig())
+        policy.set_seats(policy_seats)
+        assert policy.gate.seats == {"small": 2}
+        policy.synced(8, 4, {}, 1, replicas={"DraftModel": 3, "TargetModel": 1})
+        assert policy.gate.seats == {"small": 6}, "seats scale with the draft's live replicas"
+
+        gate.seats = {"small": 2}
+        first = Ticket("small", "t", 0, 10, 200, arrived=0.0)  # ~100 ms of decode
+        await gate.acquire(first)
+        probe = Ticket("small", "t", 0, 10, 20, deadline=10.0, ttft_deadline=1.0, arrived=0.0)
+        assert gate.in_time(probe), "a seat is free"
+        gate.set_limits(8, 4, {"small": 1})  # another ingress holds the second seat
+        assert not gate.seat_free("small") and not gate.in_time(probe)
+        assert gate.in_time(Ticket("m", "t", 0, 10, 20, deadline=10.0, ttft_deadline=1.0, arrived=0.0)), (
+            "another model's requests are not held up by these seats"
+        )
+        predicted = gate.predict(probe, [], now[0])
+        assert predicted.wait_ms == pytest.approx(101, abs=2), "it starts when the running one ends"
+        capped = Ticket("small", "t", 0, 10, 20, deadline=10.0, ttft_deadline=1.0, arrived=0.0)
+        capped.max_wait = 0
+        with pytest.raises(Rejection) as shed:
+            await gate.acquire(capped)
+        assert shed.value.reason == "queue_wait_limit"
+        gate.set_limits(8, 4, {})  # the other ingress's request ended
+        assert gate.in_time(probe)
+
+    asyncio.run(main())
