@@ -202,8 +202,6 @@ class AdmissionGate:
 
     def _fits_now(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> bool:
         """Can it start now without missing its own deadlines or pushing a running one past its?"""
-        if not self.seat_free(t.model_id):
-            return False
         c = self.concurrency() + 1
         first_ms, last_ms = self._service_ms(t, c)
         ahead_ms = self._prefills_ahead_ms(now)
@@ -235,8 +233,6 @@ class AdmissionGate:
         idle_box = self.concurrency() == 0
         if not idle_box and not self._idle(t.model_id):
             return False
-        if not self.seat_free(t.model_id):
-            return False  # its seats are held by other ingresses' requests
         if self.estimates[t.model_id].itl.levels == {}:
             return True  # nothing measured yet: try it, and learn
         first_ms, _ = self._service_ms(t, self.concurrency() + 1)
@@ -283,7 +279,10 @@ class AdmissionGate:
         to spare? Stricter than `would_meet`: an idle box takes a request even when its first
         token is predicted late."""
         now = self._clock()
-        return not self._queue_ahead(t) and self.inflight < self.max_inflight and self._fits_now(t, now, ttft_headroom)
+        return (
+            not self._queue_ahead(t) and self.inflight < self.max_inflight and self.seat_free(t.model_id)
+            and self._fits_now(t, now, ttft_headroom)
+        )
 
     def check(self, t: Ticket) -> Rejection | None:
         """The rejection `acquire` would raise at once, without queueing anything; None if it
@@ -295,7 +294,11 @@ class AdmissionGate:
         return self._wait_rejection(t, ahead, now)
 
     def _can_start(self, t: Ticket, ahead: list[Ticket], now: float) -> bool:
-        return not ahead and self.inflight < self.max_inflight and (self._idle_takes(t, now) or self._fits_now(t, now))
+        return not ahead and self.inflight < self.max_inflight and self._takes_now(t, now)
+
+    def _takes_now(self, t: Ticket, now: float) -> bool:
+        """A free seat on its model, and an idle model that takes it or room to fit it in."""
+        return self.seat_free(t.model_id) and (self._idle_takes(t, now) or self._fits_now(t, now))
 
     def _wait_rejection(self, t: Ticket, ahead: list[Ticket], now: float) -> Rejection | None:
         """For a ticket that can't start now: why it may not wait either, or None to queue it."""
@@ -400,7 +403,7 @@ class AdmissionGate:
                 heapq.heappop(self._queue)
                 continue
             now = self._clock()
-            if not (self._idle_takes(t, now) or self._fits_now(t, now)):
+            if not self._takes_now(t, now):
                 return  # head of line: more urgent requests are not overtaken
             heapq.heappop(self._queue)
             self._start(t, now)  # the slot is handed over, not re-raced
