@@ -26,7 +26,7 @@ it away.
 Every first token calibrates: measured / predicted time to first token, an EWMA, scales the
 next TTFT predictions (`bias`, never below 1). A TTFT target is a tail bound, and a mean bias
 leaves half the misses in place: the first token must also arrive in time when it comes as late,
-against its scaled prediction, as the recent 90th percentile did (`ttft_tail`).
+against its scaled prediction, as the recent 95th percentile did (`ttft_tail`).
 
 Concurrency counts every model's running requests: on one box the models share the cores
 (in the service on 2 CPU cores, the target's ITL with two requests in flight, on either model,
@@ -54,12 +54,12 @@ QUEUE_HEADROOM = 1.25
 # else loads the box (bench load measured 1.6x at p50 at 4x capacity on 2 cores). Never below
 # 1: a quiet spell's pessimism must not turn into optimism at the start of the next burst.
 TTFT_BIAS_BOUNDS = (1.0, 3.0)
-# The spare a first token needs against its TTFT target: the 90th percentile of measured /
+# The spare a first token needs against its TTFT target: the 95th percentile of measured /
 # predicted (scaled) TTFT over the first tokens of the last 30 s (64 at most, from 10 on).
 # bench load: that ratio was 0.5-0.9 at p50 but 1.4-2.3 at p95, and each TTFT miss was a
 # prefill predicted at 0.84-0.98 s. Counted without an age limit, the lateness of a busy
 # spell (the warm-up's) shed 43% of the requests at half capacity minutes later.
-TTFT_TAIL_QUANTILE = 0.9
+TTFT_TAIL_QUANTILE = 0.95
 TTFT_TAIL_WINDOW = 64
 TTFT_TAIL_MAX_AGE_S = 30.0
 TTFT_TAIL_MIN_SAMPLES = 10
@@ -203,7 +203,7 @@ class AdmissionGate:
         return min(high, max(low, self.ttft_bias.value or 1.0))
 
     def ttft_tail(self) -> float:
-        """How late, at the 90th percentile, the last 30 s of first tokens came against their
+        """How late, at the 95th percentile, the last 30 s of first tokens came against their
         (scaled) predictions: a first token must be predicted in time with this much to spare."""
         while self.ttft_late and self.ttft_late[0][0] < self._clock() - TTFT_TAIL_MAX_AGE_S:
             self.ttft_late.popleft()
