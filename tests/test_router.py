@@ -284,3 +284,18 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     with pytest.raises(APIError) as shed:  # a named small model is never moved: 503
         asyncio.run(admit(small))
     assert shed.value.status == 503
+
+    # The large model would take it, its first token predicted in time but with less than the
+    # 1.5x to spare a move needs (~750 ms of a 1 s target): a 503, not an upgrade to a late answer.
+    ctx = context_from_headers({})
+    p = pipeline._prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
+                                   "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx), "predictive")
+    pipeline._tokenize(p)
+    per_token = 750.0 / pipeline.gate.safety / len(p.prompt_ids)
+    for level in (1, 2):
+        pipeline.admission.estimates[large].prefill_ms_per_token.add(level, per_token)
+    ticket = pipeline.admission.ticket(large, ctx, pipeline.admission.tier(ctx), len(p.prompt_ids), 16)
+    assert pipeline.gate.would_meet(ticket) and not pipeline.gate.in_time(ticket, 1.5)
+    with pytest.raises(APIError) as shed:
+        asyncio.run(admit("auto"))
+    assert shed.value.status == 503
