@@ -12,10 +12,7 @@ the circle: 4 streams on the small model made ~50 tokens/s here, 6 streams 2.4.
 Iteration-level batching: the decode steps that requests ask for while the worker is busy
 are collected, and the next worker job runs them as ONE forward pass (earliest deadline first
 when more are waiting than `max_batch_size`). A new request's prefill joins the worker's queue
-and its first decode step joins the next batch; a finished request leaves at once. A prefill
-goes ahead of a decode batch that was queued before it (the step in progress still finishes):
-under load a new prompt otherwise waited for the step running and the one queued behind it,
-0.5-1.3 s at 4x capacity in bench load, twice what admission's TTFT prediction allows for. A request
+and its first decode step joins the next batch; a finished request leaves at once. A request
 alone speculates; in a batch it decodes plainly (the batch already reads the weights once for all).
 """
 
@@ -28,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from configs.schemas import ModelStageConfig
 from draft.factory import build_proposers
@@ -89,7 +86,6 @@ class ModelService:
         self._pending_lock = threading.Lock()
         self._batch_scheduled = False
         self._decoding = 0  # requests past their prefill: how many steps a full batch would hold
-        self._prefill_jobs: set[Future] = set()  # prefills submitted to the worker and not yet done
         # FIFO, and a waiter cancelled (client gone) gives up its place; one event loop per replica.
         self._seats = asyncio.Semaphore(self.engine.max_sequences) if self.engine.max_sequences else None
         self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
@@ -202,6 +198,7 @@ class ModelService:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream chunks for one request. Cancelling the consumer stops it within one step."""
+        loop = asyncio.get_running_loop()
         enqueued = time.perf_counter()
         self.stats.requests_started += 1
         self.stats.active += 1
@@ -222,10 +219,7 @@ class ModelService:
             early = self._early_hints.pop(request.request_id, None)
             if early is not None:
                 gen.add_hint(early)
-            job = self.executor.submit(self._timed_prefill, gen, enqueued)
-            self._prefill_jobs.add(job)
-            job.add_done_callback(self._prefill_jobs.discard)
-            chunk = await asyncio.wrap_future(job)  # cancelled before it runs: the job is dropped
+            chunk = await loop.run_in_executor(self.executor, self._timed_prefill, gen, enqueued)
             self._decoding += 1
             decoding = True
             while True:
@@ -276,10 +270,9 @@ class ModelService:
     async def _step(self, gen: Generation) -> GenerateChunk:
         """The next decode step of `gen`, batched with whatever other steps are waiting."""
         loop = asyncio.get_running_loop()
+        if self.max_batch <= 1:
+            return await loop.run_in_executor(self.executor, gen.step)
         done = loop.create_future()
-        if self.max_batch <= 1:  # one job per step (llama.cpp: a sequence per context)
-            self.executor.submit(self._run_one, loop, gen, done)
-            return await done
         with self._pending_lock:
             self._pending.append((gen, done))
             schedule, self._batch_scheduled = not self._batch_scheduled, True
@@ -289,30 +282,8 @@ class ModelService:
 
     BATCH_WAIT_S = 0.003  # longest a step waits for the rest of its batch to ask
 
-    def _prefill_queued(self) -> bool:
-        return any(not job.running() and not job.done() for job in list(self._prefill_jobs))
-
-    def _run_one(self, loop: asyncio.AbstractEventLoop, gen: Generation, done: asyncio.Future,
-                 deferred: bool = False) -> None:
-        """On the worker thread: one sequence's decode step; first, once, the prefills queued
-        behind it."""
-        if done.cancelled():
-            return  # its client left: no step
-        if not deferred and self._prefill_queued():
-            self.executor.submit(self._run_one, loop, gen, done, True)
-            return
-        try:
-            result = gen.step()
-        except Exception as exc:  # never strand the waiting request
-            result = exc
-        loop.call_soon_threadsafe(_resolve, done, result)
-
-    def _run_batch(self, loop: asyncio.AbstractEventLoop, deferred: bool = False) -> None:
-        """On the worker thread: one forward pass for the waiting decode steps; first, once,
-        the prefills queued behind this job (see the module docstring)."""
-        if not deferred and self._prefill_queued():
-            self.executor.submit(self._run_batch, loop, True)  # behind them; new prefills come after
-            return
+    def _run_batch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the worker thread: one forward pass for the waiting decode steps."""
         # The requests of the last batch ask for their next step one by one, as the event loop
         # hands each its chunk: give the stragglers a moment instead of running a batch of one.
         give_up = time.perf_counter() + self.BATCH_WAIT_S

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
 import torch
@@ -127,69 +125,6 @@ def test_concurrent_requests_share_forward_passes(serve_file):
     service.max_batch = 1  # the same requests one forward pass each
     alone = asyncio.run(all_at_once())
     assert [r[0] for r in alone] == [r[0] for r in results], "batching changes no greedy output here"
-
-
-@pytest.mark.parametrize("stage_name", ["target", "draft"])
-def test_a_new_prefill_goes_ahead_of_a_decode_step_queued_before_it(serve_file, stage_name):
-    """One worker thread runs every forward pass of a replica. A prompt that arrives while a
-    decode step is queued behind the one in progress runs before it: under load it otherwise
-    waited for both (bench load: 0.5-1.3 s in `engine_queue` at 4x). Batched (the target) and
-    one step per job (llama.cpp)."""
-    from engines.service import ModelService
-
-    stage = getattr(serve_file.args, stage_name).model_copy(deep=True)
-    if stage.speculative is not None:
-        stage.speculative.method = "none"
-    stage.engine.warmup = False
-    service = ModelService(stage)
-    calls: list[str] = []
-    for name in ("prefill", "decode_step", "decode_batch"):
-        real = getattr(service.engine, name, None)
-        if real is not None:
-            def wrapped(*a, _real=real, _name=name, **kw):
-                calls.append("prefill" if _name == "prefill" else "decode")
-                return _real(*a, **kw)
-            setattr(service.engine, name, wrapped)
-
-    async def collect(request_id: str, text: str, max_tokens: int, started: asyncio.Event | None = None) -> int:
-        ids = _prompt(service.engine, text)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        n = 0
-        async for chunk in service.generate(GenerateRequest(request_id, ids, params)):
-            n += chunk.num_tokens
-            if started is not None and n >= 2:
-                started.set()
-        return n
-
-    async def scenario() -> tuple[int, list[str]]:
-        decoding = asyncio.Event()
-        long = asyncio.create_task(collect("long", "Count from one to fifty.", 48, decoding))
-        await decoding.wait()
-        blocking = threading.Event()
-
-        def block() -> None:
-            blocking.set()
-            time.sleep(0.5)
-
-        blocker = asyncio.get_running_loop().run_in_executor(service.executor, block)
-        while not blocking.is_set():  # the step in progress is done; the worker sleeps
-            await asyncio.sleep(0.005)
-        for _ in range(200):  # the long request's next step queues behind the blocker
-            if service.executor._work_queue.qsize() >= 1:
-                break
-            await asyncio.sleep(0.005)
-        assert service.executor._work_queue.qsize() >= 1
-        mark = len(calls)
-        fresh = asyncio.create_task(collect("fresh", "Name a colour.", 2))
-        await blocker
-        await fresh
-        after = calls[mark:]
-        await long
-        return mark, after
-
-    mark, after = asyncio.run(scenario())
-    assert after[0] == "prefill", after[:4]
-    service.executor.shutdown()
 
 
 # int8 costs this 135M model real quality (bench ttft: ~70% teacher-forced agreement); the
