@@ -54,12 +54,11 @@ QUEUE_HEADROOM = 1.25
 # else loads the box (bench load measured 1.6x at p50 at 4x capacity on 2 cores). Never below
 # 1: a quiet spell's pessimism must not turn into optimism at the start of the next burst.
 TTFT_BIAS_BOUNDS = (1.0, 3.0)
-# The spare a first token needs against its TTFT target: the 95th percentile of measured /
-# predicted (scaled) TTFT over the first tokens of the last 30 s (64 at most, from 10 on).
-# bench load: that ratio was 0.5-0.9 at p50 but 1.4-2.3 at p95, and each TTFT miss was a
-# prefill predicted at 0.84-0.98 s. Counted without an age limit, the lateness of a busy
-# spell (the warm-up's) shed 43% of the requests at half capacity minutes later.
-TTFT_TAIL_QUANTILE = 0.95
+# The spare a first token needs against its TTFT target: a high quantile (`ttft_tail_quantile`,
+# 0.95) of measured / predicted (scaled) TTFT over the first tokens of the last 30 s (64 at
+# most, from 10 on). bench load: that ratio was 0.5-0.9 at p50 but 1.4-2.3 at p95, and each
+# TTFT miss was a prefill predicted at 0.84-0.98 s. Counted without an age limit, the lateness
+# of a busy spell (the warm-up's) shed 43% of the requests at half capacity minutes later.
 TTFT_TAIL_WINDOW = 64
 TTFT_TAIL_MAX_AGE_S = 30.0
 TTFT_TAIL_MIN_SAMPLES = 10
@@ -117,6 +116,7 @@ class AdmissionGate:
         estimates: ServiceEstimates | None = None,
         safety: float = 1.1,
         clock=time.monotonic,
+        ttft_tail_quantile: float | None = 0.95,
     ) -> None:
         self.max_inflight = max_inflight
         self.max_queued = max_queued
@@ -135,8 +135,10 @@ class AdmissionGate:
         self.admitted = 0
         self.rejected: dict[str, int] = {}
         self.ttft_bias = Ewma(0.2)  # measured / predicted time to first token once started
-        # (when, measured / scaled predicted time to first token), for `ttft_tail`
+        # (when, measured / scaled predicted time to first token), for `ttft_tail`; None: no tail
+        self.ttft_tail_quantile = ttft_tail_quantile
         self.ttft_late: collections.deque[tuple[float, float]] = collections.deque(maxlen=TTFT_TAIL_WINDOW)
+        self._tail: float | None = None  # cached until a first token arrives or one ages out
 
     # ------------------------------------------------------------------ state
 
@@ -203,15 +205,24 @@ class AdmissionGate:
         return min(high, max(low, self.ttft_bias.value or 1.0))
 
     def ttft_tail(self) -> float:
-        """How late, at the 95th percentile, the last 30 s of first tokens came against their
+        """How late, at `ttft_tail_quantile`, the last 30 s of first tokens came against their
         (scaled) predictions: a first token must be predicted in time with this much to spare."""
         while self.ttft_late and self.ttft_late[0][0] < self._clock() - TTFT_TAIL_MAX_AGE_S:
             self.ttft_late.popleft()
-        if len(self.ttft_late) < TTFT_TAIL_MIN_SAMPLES:
-            return 1.0
-        ordered = sorted(ratio for _, ratio in self.ttft_late)
-        low, high = TTFT_TAIL_BOUNDS
-        return min(high, max(low, ordered[int(TTFT_TAIL_QUANTILE * (len(ordered) - 1))]))
+            self._tail = None
+        if self._tail is None:
+            self._tail = 1.0
+            if self.ttft_tail_quantile is not None and len(self.ttft_late) >= TTFT_TAIL_MIN_SAMPLES:
+                ordered = sorted(ratio for _, ratio in self.ttft_late)
+                low, high = TTFT_TAIL_BOUNDS
+                self._tail = min(high, max(low, ordered[int(self.ttft_tail_quantile * (len(ordered) - 1))]))
+        return self._tail
+
+    def _first_in_time(self, t: Ticket, now: float, first_ms: float, headroom: float = 1.0) -> bool:
+        """Would its first token, `first_ms` from now, make its TTFT deadline with `headroom`,
+        or the recent tail of lateness if that is more, to spare?"""
+        spare = max(headroom, self.ttft_tail())
+        return t.ttft_deadline is None or now + first_ms * spare / 1000 <= t.ttft_deadline
 
     def _prefills_ahead_ms(self, now: float) -> float:
         """Prompts admitted but not yet through prefill: the engine runs them before a new one."""
@@ -225,6 +236,7 @@ class AdmissionGate:
             if predicted > 0:  # against the unscaled prediction, or the bias would chase itself
                 self.ttft_bias.add(min(4.0, measured * t.ttft_scale / predicted))
                 self.ttft_late.append((self._clock(), measured / predicted))
+                self._tail = None
         t.prefilled = True
 
     def _fits_now(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> bool:
@@ -233,8 +245,7 @@ class AdmissionGate:
         first_ms, last_ms = self._service_ms(t, c)
         ahead_ms = self._prefills_ahead_ms(now)
         first_ms, last_ms = first_ms + ahead_ms, last_ms + ahead_ms
-        spare = max(ttft_headroom, self.ttft_tail())
-        if t.ttft_deadline is not None and now + first_ms * spare / 1000 > t.ttft_deadline:
+        if not self._first_in_time(t, now, first_ms, ttft_headroom):
             return False
         if t.deadline is not None and now + last_ms / 1000 > t.deadline:
             return False
@@ -267,7 +278,7 @@ class AdmissionGate:
         first_ms += self._prefills_ahead_ms(now)
         if t.deadline is not None and now + first_ms / 1000 > t.deadline:
             return False
-        return idle_box or t.ttft_deadline is None or now + first_ms * self.ttft_tail() / 1000 <= t.ttft_deadline
+        return idle_box or self._first_in_time(t, now, first_ms)
 
     def predict(self, t: Ticket, ahead: list[Ticket], now: float) -> Prediction:
         """When `t` would start and finish if it waited behind `ahead`: each departure of a
@@ -348,9 +359,8 @@ class AdmissionGate:
     def _meets(self, t: Ticket, p: Prediction, now: float) -> bool:
         """Predicted to make it, with QUEUE_HEADROOM (or the TTFT tail, if more) on the time still to come."""
         spent = (now - t.arrived) * 1000
-        ttft = spent + (p.ttft_ms - spent) * max(QUEUE_HEADROOM, self.ttft_tail())
         e2e = spent + (p.e2e_ms - spent) * QUEUE_HEADROOM
-        if t.ttft_deadline is not None and t.arrived + ttft / 1000 > t.ttft_deadline:
+        if not self._first_in_time(t, now, p.ttft_ms - spent, QUEUE_HEADROOM):
             return False
         return t.deadline is None or t.arrived + e2e / 1000 <= t.deadline
 

@@ -34,7 +34,8 @@ class AdmissionPolicy:
             config.estimate_half_life_s,
         )
         self.gate = AdmissionGate(
-            config.max_inflight, config.max_queued, config.retry_after_s, self.estimates, config.safety
+            config.max_inflight, config.max_queued, config.retry_after_s, self.estimates, config.safety,
+            ttft_tail_quantile=config.ttft_tail_quantile,
         )
         self.limiter = TenantLimiter(config)
         # model id -> (its deployment, sequences one replica holds): llama.cpp's KV contexts.
@@ -108,8 +109,8 @@ class AdmissionPolicy:
     def move_to_other(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:
         """Should a model=auto request leave the model the router chose for the other one?
         Up to the large model when the small one can't take it and the large one can start it
-        now with its first token clearly in time: a better answer beats a 503, not a late one. Down to the small model (tiers with `downgrade` only) when the large
-        one would shed it, or take it (an idle box takes anything) but miss its deadlines or
+        now with its first token clearly in time: a better answer beats a 503, not a late one.
+        Down to the small model (tiers with `downgrade` only) when the large one would shed it, or take it (an idle box takes anything) but miss its deadlines or
         cut its first token close: if the small one is clearly in time, or would take what the
         large one would shed."""
         if not to_small:

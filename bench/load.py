@@ -318,8 +318,8 @@ def run(quick: bool = False, out: str | None = None, requests: int | None = None
 
     with running_service(tweak=tweak) as base:
         capacity_runs = []
+        window = duration * 0.5
         for clients in tqdm((2, 4, 8), desc="capacity (closed loop, admission off)", unit="run"):
-            window = duration * 0.5
             outcomes = asyncio.run(_closed_loop(base, clients, window, "fifo", seed=clients))
             capacity_runs.append({"clients": clients, "goodput_rps": round(sum(o.good for o in outcomes) / window, 3),
                                   "completed": sum(o.kind == "ok" for o in outcomes)})

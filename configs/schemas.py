@@ -337,6 +337,11 @@ class AdmissionConfig(_Strict):
     prior_itl_ms: float = Field(60.0, gt=0, description="decode ms/token assumed until measured")
     prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until measured")
     safety: float = Field(1.1, ge=1.0, description="predicted times are multiplied by this before comparing")
+    ttft_tail_quantile: float | None = Field(
+        0.95, gt=0, lt=1, description="a first token must be predicted in time even as late, against its "
+        "prediction, as this quantile of the last 30 s of first tokens came (a TTFT target is a tail bound); "
+        "null: the mean bias only",
+    )
     verdict_wait_ms: float = Field(
         30.0, ge=0, description="a model=auto request only the small model can take, in a tier without "
         "downgrade, waits this long for the router's verdict (its embedding: 45-80 ms under load), then is shed",

@@ -375,6 +375,9 @@ def test_a_first_token_needs_the_recent_tail_of_lateness_to_spare_not_just_the_m
     assert not gate.in_time(request()) and gate.check(request()).reason == "deadline_unmeetable"
     quick = Ticket("m", "t", 0, 50, 10, deadline=now[0] + 60, ttft_deadline=now[0] + 1.0, arrived=now[0])  # 350 ms
     assert gate.in_time(quick)
+    off = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 7.0), safety=1.0, clock=lambda: now[0], ttft_tail_quantile=None)
+    off.ttft_late.extend(gate.ttft_late)
+    assert off.ttft_tail() == 1.0, "admission.ttft_tail_quantile: null turns the tail off"
     now[0] += 31  # the late spell ages out
     assert gate.ttft_tail() == 1.0 and gate.in_time(request())
 
