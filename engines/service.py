@@ -14,6 +14,13 @@ are collected, and the next worker job runs them as ONE forward pass (earliest d
 when more are waiting than `max_batch_size`). A new request's prefill joins the worker's queue
 and its first decode step joins the next batch; a finished request leaves at once. A request
 alone speculates; in a batch it decodes plainly (the batch already reads the weights once for all).
+
+An engine without batching (llama.cpp) runs each sequence's decode step as its own worker job,
+so a new prompt queued behind a round of them would wait for every one: with 4 seats, up to
+three steps, which beside a busy target took ~200 ms each (bench load: 0.5-0.8 s in
+`engine_queue`, the only TTFT misses of a run at 4x capacity). There, a prefill goes ahead of
+the decode steps queued before it; the step in progress still finishes. Each deferred step
+keeps its place in the round and is deferred once at most.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from configs.schemas import ModelStageConfig
 from draft.factory import build_proposers
@@ -86,6 +93,8 @@ class ModelService:
         self._pending_lock = threading.Lock()
         self._batch_scheduled = False
         self._decoding = 0  # requests past their prefill: how many steps a full batch would hold
+        self._prefill_jobs: set[Future] = set()  # prefills submitted to the worker, not yet done
+        self.prefill_first = True  # without batching: a prefill goes ahead of queued steps (bench prefill_order)
         # FIFO, and a waiter cancelled (client gone) gives up its place; one event loop per replica.
         self._seats = asyncio.Semaphore(self.engine.max_sequences) if self.engine.max_sequences else None
         self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
@@ -219,7 +228,10 @@ class ModelService:
             early = self._early_hints.pop(request.request_id, None)
             if early is not None:
                 gen.add_hint(early)
-            chunk = await loop.run_in_executor(self.executor, self._timed_prefill, gen, enqueued)
+            job = self.executor.submit(self._timed_prefill, gen, enqueued)
+            self._prefill_jobs.add(job)
+            job.add_done_callback(self._prefill_jobs.discard)
+            chunk = await asyncio.wrap_future(job, loop=loop)  # cancelled before it runs: dropped
             self._decoding += 1
             decoding = True
             while True:
@@ -270,15 +282,30 @@ class ModelService:
     async def _step(self, gen: Generation) -> GenerateChunk:
         """The next decode step of `gen`, batched with whatever other steps are waiting."""
         loop = asyncio.get_running_loop()
-        if self.max_batch <= 1:
-            return await loop.run_in_executor(self.executor, gen.step)
         done = loop.create_future()
+        if self.max_batch <= 1:  # a job per sequence's step (see the module docstring)
+            self.executor.submit(self._run_one, loop, gen, done)
+            return await done
         with self._pending_lock:
             self._pending.append((gen, done))
             schedule, self._batch_scheduled = not self._batch_scheduled, True
         if schedule:
             self.executor.submit(self._run_batch, loop)
         return await done
+
+    def _run_one(self, loop: asyncio.AbstractEventLoop, gen: Generation, done: asyncio.Future,
+                 deferred: bool = False) -> None:
+        """On the worker thread: one sequence's decode step, after any prefill queued behind it."""
+        if done.cancelled():
+            return  # its client left: no step
+        if not deferred and self.prefill_first and any(not job.running() and not job.done() for job in list(self._prefill_jobs)):
+            self.executor.submit(self._run_one, loop, gen, done, True)
+            return
+        try:
+            result = gen.step()
+        except Exception as exc:  # never strand the waiting request
+            result = exc
+        loop.call_soon_threadsafe(_resolve, done, result)
 
     BATCH_WAIT_S = 0.003  # longest a step waits for the rest of its batch to ask
 
