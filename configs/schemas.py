@@ -114,7 +114,8 @@ class EngineConfig(_Strict):
     )
     nice: int = Field(
         0, ge=0, le=19, description="OS niceness of the model replica's process: on a box whose cores the ingress "
-        "and proxy share, > 0 lets their small, latency-critical work run ahead of the compute"
+        "and proxy share, > 0 lets their small, latency-critical work run ahead of the compute; between two "
+        "model stages, the gap decides how they share the cores when both decode (bench contention)"
     )
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     max_batch_size: int = Field(

@@ -1,0 +1,112 @@
+"""Suite `contention`: the two models decoding at once on the same cores, at each OS priority.
+
+On the 2-core box the target (torch, 2 threads, speculation as served) and the small model
+(llama.cpp, 1 thread) are separate processes. Each runs here in its own child process, as its
+replica runs it (`ModelService`, one worker thread, the stage from serve_config.yaml), at a
+given niceness, one greedy request after another for the same window; they start together.
+Per setting: each model's ms per output token and TTFT, against each alone.
+
+torch's OpenMP threads spin at every barrier: when a third busy thread takes one of the cores,
+a descheduled team member holds the whole team up, and which process loses depends on who
+yields. This suite shows what `engine.nice` does about it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tqdm import tqdm
+
+from bench.stats import summary
+
+PROMPT = "Write a detailed story about a dragon and a knight, part {i}."
+# (target nice, small model nice); None: that model does not run
+SETTINGS = [(19, None), (None, 19), (19, 19), (15, 19), (13, 19), (10, 19), (0, 19)]
+
+
+def _worker(stage_name: str, nice: int, seconds: float, start_at: float, max_tokens: int) -> dict:
+    from configs.serve_config import load_serve_config
+    from engines.service import ModelService
+    from engines.types import GenerateRequest, SamplingParams
+    from ingress.prompts import PromptBuilder
+    from ingress.protocol import ChatMessage
+
+    if nice:
+        os.nice(nice)  # before any thread starts: every thread of the process inherits it
+    service = ModelService(getattr(load_serve_config().args, stage_name))
+    builder = PromptBuilder(service.engine.tokenizer)
+
+    async def one(i: int) -> tuple[float, float]:
+        ids = builder.chat([ChatMessage(role="user", content=PROMPT.format(i=i))])
+        request = GenerateRequest(f"{stage_name}-{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        start, times, tokens = time.perf_counter(), [], 0
+        async for chunk in service.generate(request):
+            if chunk.num_tokens:
+                times.append(time.perf_counter())
+                tokens += chunk.num_tokens
+        later = tokens - 1  # tokens after the first chunk's
+        return (times[0] - start) * 1000, (times[-1] - times[0]) * 1000 / max(1, later)
+
+    async def loop() -> tuple[list[float], list[float]]:
+        while time.time() < start_at:
+            await asyncio.sleep(0.01)
+        ttft, per_token = [], []
+        began, i = time.perf_counter(), 0
+        while time.perf_counter() - began < seconds:
+            first, gap = await one(i)
+            ttft.append(first)
+            per_token.append(gap)
+            i += 1
+        return ttft, per_token
+
+    ttft, per_token = asyncio.run(loop())
+    service.executor.shutdown()
+    return {"requests": len(ttft), "ttft_ms": summary(ttft), "ms_per_token": summary(per_token)}
+
+
+def _setting(target_nice: int | None, small_nice: int | None, seconds: float, max_tokens: int) -> dict:
+    start_at = time.time() + 20  # both loaded and warm before the window opens
+    children = {}
+    for stage, nice in (("target", target_nice), ("draft", small_nice)):
+        if nice is not None:
+            children[stage] = subprocess.Popen(
+                [sys.executable, "-m", "bench.contention", "--worker", stage, "--nice", str(nice),
+                 "--seconds", str(seconds), "--start-at", str(start_at), "--max-tokens", str(max_tokens)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+    out: dict = {"target_nice": target_nice, "small_nice": small_nice}
+    for stage, child in children.items():
+        stdout, _ = child.communicate(timeout=seconds + 300)
+        if child.returncode != 0:
+            raise RuntimeError(f"the {stage} worker failed (exit {child.returncode})")
+        out["target" if stage == "target" else "small"] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+def run(quick: bool = False, seconds: float = 30.0, max_tokens: int = 96) -> dict:
+    if quick:
+        seconds = 12.0
+    settings = [_setting(t, s, seconds, max_tokens) for t, s in tqdm(SETTINGS, desc="nice settings", unit="setting")]
+    alone = {"target": settings[0]["target"]["ms_per_token"]["p50"], "small": settings[1]["small"]["ms_per_token"]["p50"]}
+    for s in settings:
+        for model in ("target", "small"):
+            if model in s:
+                s[f"{model}_slowdown_vs_alone"] = round(s[model]["ms_per_token"]["p50"] / alone[model], 2)
+    return {"seconds_per_setting": seconds, "max_tokens": max_tokens, "settings": settings}
+
+
+if __name__ == "__main__":  # a child process of `run`
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", required=True, choices=["target", "draft"])
+    parser.add_argument("--nice", type=int, default=0)
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--start-at", type=float, required=True)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    a = parser.parse_args()
+    print(json.dumps(_worker(a.worker, a.nice, a.seconds, a.start_at, a.max_tokens)))
