@@ -8,7 +8,9 @@ Per setting: each model's ms per output token and TTFT, against each alone.
 
 torch's OpenMP threads spin at every barrier: when a third busy thread takes one of the cores,
 a descheduled team member holds the whole team up, and which process loses depends on who
-yields. This suite shows what `engine.nice` does about it.
+yields. This suite shows what the gap between the two models' niceness does about it. The
+children start at this process's level (0 from a shell), so the levels are the ones set; in
+the service Ray starts every worker at 15 (`RAY_worker_niceness`), the ingress and proxy too.
 """
 
 from __future__ import annotations

@@ -113,9 +113,10 @@ class EngineConfig(_Strict):
         "kernels for Q4_1 on x86: ~5.5 ms/token against ~2.6 for q8_0, whose single-token decode is ~20% slower"
     )
     nice: int = Field(
-        0, ge=0, le=19, description="OS niceness of the model replica's process: on a box whose cores the ingress "
-        "and proxy share, > 0 lets their small, latency-critical work run ahead of the compute; between two "
-        "model stages, the gap decides how they share the cores when both decode (bench contention)"
+        0, ge=0, le=19, description="OS niceness level of the model replica's compute threads, absolute (Ray "
+        "starts every worker at RAY_worker_niceness, 15 by default; a lower level is left as it is): above the "
+        "ingress and proxy's, their small, latency-critical work runs ahead of the compute; between two model "
+        "stages, the gap decides how they share the cores when both decode (bench contention)"
     )
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     max_batch_size: int = Field(

@@ -24,6 +24,17 @@ from telemetry.tracing import ModelCallTrace, make_tracer
 log = logging.getLogger(__name__)
 
 
+def set_niceness(level: int) -> int:
+    """Raise this thread's niceness to `level` (never lower it: that needs privileges); the
+    threads it starts from here on (the engine's worker, OpenMP's team) inherit it. Absolute,
+    not an increment: Ray starts every worker process at `RAY_worker_niceness` (15 by default),
+    ingress and proxy included, and `os.nice(19)` from there only clamps at 19. Returns the level."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)  # on Linux: this thread's
+    if level > current:
+        os.nice(level - current)
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 class _ModelDeployment:
     async def __init__(
         self, args: dict, draft: DeploymentHandle | None = None, telemetry: dict | None = None, transport: str = "grpc"
@@ -31,7 +42,7 @@ class _ModelDeployment:
         config = ModelStageConfig.model_validate(args)
         observe = TelemetryConfig.model_validate(telemetry or {})
         if config.engine.nice:
-            os.nice(config.engine.nice)  # this replica's own process: the ingress and proxy keep their priority
+            set_niceness(config.engine.nice)
         remote = RemoteDraft(over(draft, transport)) if draft is not None else None
         self.service = build_service(config, remote)
         if isinstance(self.service, VLLMService):

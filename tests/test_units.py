@@ -522,3 +522,26 @@ def test_a_llamacpp_stage_runs_no_more_sequences_than_it_has_contexts(serve_file
     concurrent = asyncio.run(scenario())
     assert all(concurrent) and service.engine.evictions == 0
     service.executor.shutdown()
+
+
+def test_model_niceness_is_a_level_not_an_increment():
+    """Ray starts every worker at niceness 15 (RAY_worker_niceness). A model stage's `nice` is
+    the level its compute threads end at, whatever the worker started at; never lowered. In a
+    child process: niceness sticks to the thread that set it and to the threads it starts."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, threading\n"
+        "from deployments.models import set_niceness\n"
+        "os.nice(15)\n"  # where Ray starts a worker
+        "seen = []\n"
+        "assert set_niceness(17) == 17, os.getpriority(os.PRIO_PROCESS, 0)\n"  # os.nice(17) would clamp at 19
+        "t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0))); t.start(); t.join()\n"
+        "assert seen == [17], seen\n"
+        "assert set_niceness(16) == 17\n"  # never lowered
+        "assert set_niceness(19) == 19\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
