@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
 
 from tqdm import tqdm
 
+from bench.stack import timed_answer
 from bench.stats import summary
 
 PROMPT = "Write a detailed story about a dragon and a knight, part {i}."
@@ -34,26 +34,13 @@ SETTINGS = [(19, None), (None, 19), (19, 19), (15, 19), (13, 19), (10, 19), (0, 
 
 def _worker(stage_name: str, nice: int, seconds: float, start_at: float, max_tokens: int) -> dict:
     from configs.serve_config import load_serve_config
+    from engines.niceness import set_niceness
     from engines.service import ModelService
-    from engines.types import GenerateRequest, SamplingParams
     from ingress.prompts import PromptBuilder
-    from ingress.protocol import ChatMessage
 
-    if nice:
-        os.nice(nice)  # before any thread starts: every thread of the process inherits it
+    set_niceness(nice)  # as the replica does, before any thread starts: every later one inherits it
     service = ModelService(getattr(load_serve_config().args, stage_name))
     builder = PromptBuilder(service.engine.tokenizer)
-
-    async def one(i: int) -> tuple[float, float]:
-        ids = builder.chat([ChatMessage(role="user", content=PROMPT.format(i=i))])
-        request = GenerateRequest(f"{stage_name}-{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-        start, times, tokens = time.perf_counter(), [], 0
-        async for chunk in service.generate(request):
-            if chunk.num_tokens:
-                times.append(time.perf_counter())
-                tokens += chunk.num_tokens
-        later = tokens - 1  # tokens after the first chunk's
-        return (times[0] - start) * 1000, (times[-1] - times[0]) * 1000 / max(1, later)
 
     async def loop() -> tuple[list[float], list[float]]:
         while time.time() < start_at:
@@ -61,9 +48,9 @@ def _worker(stage_name: str, nice: int, seconds: float, start_at: float, max_tok
         ttft, per_token = [], []
         began, i = time.perf_counter(), 0
         while time.perf_counter() - began < seconds:
-            first, gap = await one(i)
-            ttft.append(first)
-            per_token.append(gap)
+            answer = await timed_answer(service, builder, f"{stage_name}-{i}", PROMPT.format(i=i), max_tokens)
+            ttft.append(answer.ttft_ms)
+            per_token.append(answer.ms_per_token)
             i += 1
         return ttft, per_token
 

@@ -12,40 +12,24 @@ this process (no Ray, no HTTP), so the box's drift hits both alike:
 from __future__ import annotations
 
 import asyncio
-import time
 
 from tqdm import tqdm
 
+from bench.stack import timed_answer
 from bench.stats import summary
 from configs.serve_config import load_serve_config
-
-
-async def _stream(service, builder, request_id: str, text: str, max_tokens: int) -> tuple[float, float, list[float]]:
-    """(TTFT ms, engine_queue ms, gaps between tokens ms) of one greedy request."""
-    from engines.types import GenerateRequest, SamplingParams
-    from ingress.protocol import ChatMessage
-
-    ids = builder.chat([ChatMessage(role="user", content=text)])
-    request = GenerateRequest(request_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    start, times, queue_ms = time.perf_counter(), [], None
-    async for chunk in service.generate(request):
-        if queue_ms is None:
-            queue_ms = chunk.timings_ms.get("engine_queue", 0.0)
-        if chunk.num_tokens:
-            times.append(time.perf_counter())
-    return (times[0] - start) * 1000, queue_ms or 0.0, [(b - a) * 1000 for a, b in zip(times, times[1:])]
 
 
 async def _block(service, builder, block: int, streams: int, arrivals: int) -> tuple[list, list]:
     """`streams` long answers decoding, `arrivals` short requests one after another meanwhile."""
     longs = [
-        asyncio.create_task(_stream(service, builder, f"long-{block}-{i}", f"Write a long story about dragon {block}-{i}.", 120))
+        asyncio.create_task(timed_answer(service, builder, f"long-{block}-{i}", f"Write a long story about dragon {block}-{i}.", 120))
         for i in range(streams)
     ]
     await asyncio.sleep(1.0)  # every long answer is past its prefill
     shorts = []
     for j in range(arrivals):
-        shorts.append(await _stream(service, builder, f"short-{block}-{j}", f"Name a colour, case {block}-{j}.", 2))
+        shorts.append(await timed_answer(service, builder, f"short-{block}-{j}", f"Name a colour, case {block}-{j}.", 2))
         await asyncio.sleep(0.15)
     return shorts, await asyncio.gather(*longs)
 
@@ -68,9 +52,9 @@ def run(requests: int = 8, quick: bool = False, blocks: int = 6, streams: int = 
         for block, arm in enumerate(tqdm(order, desc="prefill order", unit="block")):
             service.prefill_first = arm == "prefill_first"
             shorts, longs = loop.run_until_complete(_block(service, builder, block, streams, requests))
-            arms[arm]["ttft"] += [s[0] for s in shorts]
-            arms[arm]["queue"] += [s[1] for s in shorts]
-            arms[arm]["itl"] += [gap for _, _, gaps in longs for gap in gaps]
+            arms[arm]["ttft"] += [s.ttft_ms for s in shorts]
+            arms[arm]["queue"] += [s.engine_queue_ms for s in shorts]
+            arms[arm]["itl"] += [gap for answer in longs for gap in answer.chunk_gaps_ms]
     finally:
         loop.close()
         service.executor.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 
 import httpx
 from tqdm import tqdm
@@ -46,6 +47,37 @@ def prompts(n: int, first: int = 0) -> list[list[dict[str, str]]]:
         else:
             out.append([{"role": "user", "content": q}])
     return out
+
+
+@dataclass
+class TimedAnswer:
+    ttft_ms: float
+    engine_queue_ms: float
+    chunk_gaps_ms: list[float]  # between chunks after the first (a speculative chunk holds several tokens)
+    tokens: int
+
+    @property
+    def ms_per_token(self) -> float:
+        """Decode time per token after the first."""
+        return sum(self.chunk_gaps_ms) / max(1, self.tokens - 1)
+
+
+async def timed_answer(service, builder, request_id: str, text: str, max_tokens: int) -> TimedAnswer:
+    """One greedy chat request straight to a `ModelService` in this process, timed."""
+    from engines.types import GenerateRequest, SamplingParams
+    from ingress.protocol import ChatMessage
+
+    ids = builder.chat([ChatMessage(role="user", content=text)])
+    request = GenerateRequest(request_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    start, times, tokens, queue_ms = time.perf_counter(), [], 0, None
+    async for chunk in service.generate(request):
+        if queue_ms is None:
+            queue_ms = chunk.timings_ms.get("engine_queue", 0.0)
+        if chunk.num_tokens:
+            times.append(time.perf_counter())
+            tokens += chunk.num_tokens
+    gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+    return TimedAnswer((times[0] - start) * 1000, queue_ms or 0.0, gaps, tokens)
 
 
 class DirectEngine:

@@ -15,6 +15,7 @@ from configs.schemas import ModelStageConfig, TelemetryConfig
 from deployments.transport import over
 from draft.remote import DraftSessions, RemoteDraft
 from engines.factory import build_service
+from engines.niceness import set_niceness
 from engines.service import ModelService
 from engines.vllm_service import VLLMService
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
@@ -22,17 +23,6 @@ from telemetry.metrics import EngineMetrics
 from telemetry.tracing import ModelCallTrace, make_tracer
 
 log = logging.getLogger(__name__)
-
-
-def set_niceness(level: int) -> int:
-    """Raise this thread's niceness to `level` (never lower it: that needs privileges); the
-    threads it starts from here on (the engine's worker, OpenMP's team) inherit it. Absolute,
-    not an increment: Ray starts every worker process at `RAY_worker_niceness` (15 by default),
-    ingress and proxy included, and `os.nice(19)` from there only clamps at 19. Returns the level."""
-    current = os.getpriority(os.PRIO_PROCESS, 0)  # on Linux: this thread's
-    if level > current:
-        os.nice(level - current)
-    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 class _ModelDeployment:

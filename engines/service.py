@@ -94,7 +94,9 @@ class ModelService:
         self._batch_scheduled = False
         self._decoding = 0  # requests past their prefill: how many steps a full batch would hold
         self._prefill_jobs: set[Future] = set()  # prefills submitted to the worker, not yet done
-        self.prefill_first = True  # without batching: a prefill goes ahead of queued steps (bench prefill_order)
+        # Without batching, a prefill goes ahead of queued steps; False only to measure the
+        # difference (bench prefill_order), not a serving knob.
+        self.prefill_first = True
         # FIFO, and a waiter cancelled (client gone) gives up its place; one event loop per replica.
         self._seats = asyncio.Semaphore(self.engine.max_sequences) if self.engine.max_sequences else None
         self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
@@ -298,14 +300,18 @@ class ModelService:
         """On the worker thread: one sequence's decode step, after any prefill queued behind it."""
         if done.cancelled():
             return  # its client left: no step
-        if not deferred and self.prefill_first and any(not job.running() and not job.done() for job in list(self._prefill_jobs)):
-            self.executor.submit(self._run_one, loop, gen, done, True)
+        if not deferred and self._prefill_waiting():
+            self.executor.submit(self._run_one, loop, gen, done, True)  # behind it, in its turn
             return
         try:
             result = gen.step()
         except Exception as exc:  # never strand the waiting request
             result = exc
         loop.call_soon_threadsafe(_resolve, done, result)
+
+    def _prefill_waiting(self) -> bool:
+        """A prefill is queued on the worker and not yet running."""
+        return self.prefill_first and any(not job.running() and not job.done() for job in list(self._prefill_jobs))
 
     BATCH_WAIT_S = 0.003  # longest a step waits for the rest of its batch to ask
 

@@ -533,7 +533,7 @@ def test_model_niceness_is_a_level_not_an_increment():
 
     code = (
         "import os, threading\n"
-        "from deployments.models import set_niceness\n"
+        "from engines.niceness import set_niceness\n"
         "os.nice(15)\n"  # where Ray starts a worker
         "seen = []\n"
         "assert set_niceness(17) == 17, os.getpriority(os.PRIO_PROCESS, 0)\n"  # os.nice(17) would clamp at 19
