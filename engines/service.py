@@ -13,7 +13,10 @@ Iteration-level batching: the decode steps that requests ask for while the worke
 are collected, and the next worker job runs them as ONE forward pass (earliest deadline first
 when more are waiting than `max_batch_size`). A new request's prefill joins the worker's queue
 and its first decode step joins the next batch; a finished request leaves at once. A request
-alone speculates; in a batch it decodes plainly (the batch already reads the weights once for all).
+alone speculates. When several wait, `StepModeChooser` prices a batched plain step (the weights
+read once for all, a token each) against a speculative round each in turn (several tokens per
+round) from what this replica measured, and takes the cheaper per token: on 2 CPU cores, turns
+up to ~3 requests, batching from ~4 on.
 
 An engine without batching (llama.cpp) runs each sequence's decode step as its own worker job,
 so a new prompt queued behind a round of them would wait for every one: with 4 seats, up to
@@ -42,6 +45,7 @@ from engines.factory import build_engine
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
+from target.step_mode import StepModeChooser
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,7 @@ class ModelService:
         self._live: dict[str, Generation] = {}  # request id -> its generation, for late hints
         self._early_hints: OrderedDict[str, list[int]] = OrderedDict()  # late hints that beat their request here
         self.costs: CostModel | None = None
+        self.step_mode: StepModeChooser | None = None  # batch the waiting steps, or a round each in turn
         # On the worker thread, like every later forward pass: a second thread running torch
         # ops makes OpenMP keep two thread teams on the same cores, and every decode step after
         # that ran ~2.7x slower here (50 -> 133 ms for SmolLM2 on 2 cores).
@@ -110,6 +115,9 @@ class ModelService:
             self.executor.submit(self._warmup).result()
         if self.proposers:
             self.costs = self.executor.submit(self._calibrate).result()
+            if self.max_batch > 1:
+                batch_ms = self.executor.submit(self._calibrate_batches).result()
+                self.step_mode = StepModeChooser(batch_ms, self.max_batch, self._turn_token_ms)
 
     # ------------------------------------------------------------------ start-up
 
@@ -179,6 +187,38 @@ class ModelService:
 
     AGREEMENT_TOKENS = 16
 
+    def _turn_token_ms(self) -> float:
+        """Live ms per token of a request speculating on its own: its best drafter's, or plain."""
+        drafted = [self.costs.steady_token_ms(p.name) for p in self.proposers if not p.free]
+        return min([*drafted, self.costs.verify_ms(1)])
+
+    def _calibrate_batches(self) -> dict[int, float]:
+        """ms of a plain decode step of n sequences (n = 1, 2, 4, 8; fastest of 3): the prior
+        that the step-mode chooser weighs against speculating in turns."""
+        ids = self.engine.tokenizer.encode(_WARMUP_TEXT)
+        sizes = sorted({1, *(n for n in (2, 4, 8) if n <= self.max_batch)})
+        seqs = []
+        for i in range(sizes[-1]):
+            seq = self.engine.new_sequence()
+            self.engine.prefill(seq, ids[i:] + ids[:i])
+            seqs.append(seq)
+        measured = {}
+        for n in sizes:
+            batch, samples = seqs[:n], []
+            for _ in range(3):
+                lengths = [seq.length for seq in batch]
+                start = time.perf_counter()
+                self.engine.decode_batch(batch, ids[:n] if n <= len(ids) else [ids[0]] * n)
+                samples.append((time.perf_counter() - start) * 1000)
+                for seq, length in zip(batch, lengths):
+                    self.engine.rollback(seq, length)
+            measured[n] = min(samples)
+        for seq in seqs:
+            self.engine.release(seq)
+        log.info("%s plain decode step ms by batch size %s", self.config.engine.model_id,
+                 {n: round(ms, 1) for n, ms in measured.items()})
+        return measured
+
     def _greedy(self, prompt: list[int], n: int) -> list[int]:
         """The target's first n greedy tokens after `prompt`."""
         seq = self.engine.new_sequence()
@@ -193,7 +233,11 @@ class ModelService:
     def snapshot(self) -> dict[str, float]:
         """The counters, plus the prefix cache's (hit rate, blocks, memory) where the engine has one."""
         cache = getattr(self.engine, "prefix_cache", None)
-        return {**self.stats.as_dict(), **(cache.stats() if cache is not None else {})}
+        out = {**self.stats.as_dict(), **(cache.stats() if cache is not None else {})}
+        if self.step_mode is not None:
+            out["step_mode_batched"] = self.step_mode.decisions["batched"]
+            out["step_mode_turns"] = self.step_mode.decisions["turns"]
+        return out
 
     # ------------------------------------------------------------------ requests
 
@@ -334,14 +378,49 @@ class ModelService:
         if not waiting:
             return
         gens = [g for g, _ in waiting]
+        if len(gens) > 1 and self.step_mode is not None:
+            speculating = sum(g.spec is not None for g in gens)
+            if not self.step_mode.batch(speculating, len(gens) - speculating):
+                self._run_turns(loop, waiting)
+                return
+        start = time.perf_counter()
         try:
             results: list = [gens[0].step()] if len(gens) == 1 else Generation.step_batch(gens)
         except Exception as exc:  # never strand a waiting request
             results = [exc] * len(gens)
+        else:
+            if self.step_mode is not None:
+                ms = (time.perf_counter() - start) * 1000
+                if len(gens) == 1 and gens[0].spec is None:
+                    self.step_mode.observe_plain(ms)
+                elif len(gens) > 1:
+                    self.step_mode.observe_batch(len(gens), ms)
         self.stats.decode_batches += 1
         self.stats.batched_steps += len(gens)
         self.stats.max_batch = max(self.stats.max_batch, len(gens))
         for (_, done), result in zip(waiting, results):
+            loop.call_soon_threadsafe(_resolve, done, result)
+
+    def _run_turns(self, loop: asyncio.AbstractEventLoop, waiting: list[tuple[Generation, asyncio.Future]]) -> None:
+        """On the worker thread: each waiting request's own step (a speculative round where its
+        drafters pay), one after another, earliest deadline first. Each is answered as soon as
+        its step is done; a prefill queued meanwhile goes ahead of the rest."""
+        waiting.sort(key=lambda item: item[0].request.deadline_unix or math.inf)
+        for index, (gen, done) in enumerate(waiting):
+            if index and self._prefill_waiting():
+                with self._pending_lock:  # the rest keep their place at the front, behind the prefill
+                    self._pending = [*waiting[index:], *self._pending]
+                    self._batch_scheduled = True
+                self.executor.submit(self._run_batch, loop)
+                return
+            if done.cancelled():
+                continue  # its client left: no step
+            try:
+                result = gen.step()
+            except Exception as exc:  # never strand the waiting request
+                result = exc
+            self.stats.decode_batches += 1
+            self.stats.batched_steps += 1
             loop.call_soon_threadsafe(_resolve, done, result)
 
     def _abort(self, gen: Generation, rounds_at_cancel: int, cancelled_at: float) -> None:

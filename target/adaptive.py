@@ -112,6 +112,15 @@ class CostModel:
     def observe_verify(self, m: int, ms: float) -> None:
         self.verify[min(m, len(self.verify)) - 1].update(ms)
 
+    def steady_token_ms(self, source: str) -> float:
+        """ms per emitted token of a model drafter at its best k, caught up on the context, at
+        the replica's acceptance for it: what a request speculating on its own pays."""
+        a = min(max(self.replica_acceptance(source).value, 1e-3), 0.999)
+        d = self.draft_per_token.value
+        return min(
+            (k * d + self.verify_ms(k + 1)) * (1 - a) / (1 - a ** (k + 1)) for k in range(1, self.k_max + 1)
+        )
+
     def replica_acceptance(self, source: str) -> Acceptance:
         if source not in self.acceptance:
             prior = self.acceptance_priors.get(source, self.prior_acceptance)

@@ -267,3 +267,69 @@ def test_a_prompt_evaluated_on_the_requantized_copy_hands_a_working_kv_to_the_de
     handed_over = teacher_forced(fast, len(ids) - 40)  # 40 tokens >= PREFILL_MIN_TOKENS: the copy runs them
     agree = sum(a == b for a, b in zip(reference, handed_over))
     assert agree >= len(reference) - 2, (reference, handed_over)  # a broken KV would agree on ~none
+
+
+def test_step_mode_speculates_in_turns_where_a_small_batch_costs_more_per_token_and_batches_beyond():
+    from target.step_mode import StepModeChooser
+
+    # This box's shape: a plain step of 2 costs ~1.8x one, of 8 ~3x; a round in turn ~30 ms/token.
+    turn_ms = 30.0
+    chooser = StepModeChooser({1: 70.0, 2: 125.0, 4: 150.0, 8: 210.0}, 16, lambda: turn_ms)
+    assert chooser.batch_ms[2].value == pytest.approx(137.5)  # n=3 interpolated
+    assert chooser.batch_ms[15].value == pytest.approx(210 + 15 * 8)  # beyond 8: the last slope
+    assert not chooser.batch(2, 0) and not chooser.batch(3, 0)  # 62 / 46 ms per token batched
+    assert chooser.batch(8, 0)  # 26 ms per token
+    assert chooser.batch(0, 2), "requests that don't speculate gain nothing from turns"
+    # Hysteresis: batched at 4 (37.5 ms/token) stays batched against turns at 36 ...
+    chooser._batched = True
+    turn_ms = 36.0
+    assert chooser.batch(4, 0)
+    # ... and switches for a clear gain; what the batches cost live moves the choice.
+    turn_ms = 30.0
+    for _ in range(10):
+        chooser.observe_batch(4, 300.0)
+    assert not chooser.batch(4, 0)
+    # A close batch estimate (62.5 ms/token against 45) is re-measured once after a long run of turns.
+    turn_ms = 45.0
+    chooser = StepModeChooser({1: 70.0, 2: 125.0}, 16, lambda: turn_ms)
+    choices = [chooser.batch(2, 0) for _ in range(StepModeChooser.PROBE_EVERY + 1)]
+    assert choices == [False] * StepModeChooser.PROBE_EVERY + [True]
+    assert chooser.decisions == {"batched": 1, "turns": StepModeChooser.PROBE_EVERY}
+
+
+def test_concurrent_speculating_requests_stay_lossless_in_turns_and_batched(spec_service):
+    """Several requests waiting for a step: a speculative round each in turn, or one batched
+    plain pass. Each mode runs when the chooser names it, and greedy output is what each request
+    decodes alone."""
+    import asyncio
+
+    tok = spec_service.engine.tokenizer
+    questions = ["Name a fruit.", "Name a colour.", "Name a planet."]
+    prompts = [_chat_ids(tok, [{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    alone = [_decode(spec_service, ids, params, None)[1] for ids in prompts]
+
+    async def collect(i: int) -> str:
+        text = ""
+        async for chunk in spec_service.generate(GenerateRequest(f"m{i}", prompts[i], params)):
+            text += chunk.text
+        return text
+
+    async def all_at_once() -> list[str]:
+        return await asyncio.gather(*(collect(i) for i in range(len(prompts))))
+
+    chooser = spec_service.step_mode
+    assert chooser is not None, "the shipped target batches and speculates"
+    live = chooser.turn_token_ms
+    try:
+        for mode, turn_ms in (("turns", 1e-3), ("batched", 1e6)):
+            chooser.turn_token_ms, chooser._batched = (lambda v=turn_ms: v), None
+            before = dict(chooser.decisions)
+            proposed = spec_service.stats.draft_tokens_proposed
+            assert asyncio.run(all_at_once()) == alone, mode
+            other = "batched" if mode == "turns" else "turns"
+            assert chooser.decisions[mode] > before[mode] and chooser.decisions[other] == before[other]
+            if mode == "turns":
+                assert spec_service.stats.draft_tokens_proposed > proposed, "rounds in turn speculate"
+    finally:
+        chooser.turn_token_ms, chooser._batched = live, None
