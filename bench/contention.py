@@ -8,7 +8,8 @@ Per setting: each model's ms per output token and TTFT, against each alone.
 
 torch's OpenMP threads spin at every barrier: when a third busy thread takes one of the cores,
 a descheduled team member holds the whole team up, and which process loses depends on who
-yields. This suite shows what the gap between the two models' niceness does about it. The
+yields. This suite shows what the gap between the two models' niceness does about it, and what
+`share_cores` (one thread per pass while another process is busy, engines/cores.py) does. The
 children start at this process's level (0 from a shell), so the levels are the ones set; in
 the service Ray starts every worker at 15 (`RAY_worker_niceness`), the ingress and proxy too.
 """
@@ -28,18 +29,26 @@ from bench.stack import timed_answer
 from bench.stats import summary
 
 PROMPT = "Write a detailed story about a dragon and a knight, part {i}."
-# (target nice, small model nice); None: that model does not run
-SETTINGS = [(19, None), (None, 19), (19, 19), (15, 19), (13, 19), (10, 19), (0, 19)]
+# (target nice, small model nice, share_cores); None: that model does not run. share_cores: the
+# engines' setting (engines/cores.py), off to show what the niceness gap alone does.
+SETTINGS = [
+    (19, None, True), (None, 19, True),
+    (19, 19, True), (19, 19, False), (15, 19, True), (15, 19, False),
+    (13, 19, False), (10, 19, False), (0, 19, False),
+]
 
 
-def _worker(stage_name: str, nice: int, seconds: float, start_at: float, max_tokens: int) -> dict:
+def _worker(stage_name: str, nice: int, seconds: float, start_at: float, max_tokens: int, share_cores: bool) -> dict:
     from configs.serve_config import load_serve_config
     from engines.niceness import set_niceness
     from engines.service import ModelService
     from ingress.prompts import PromptBuilder
 
     set_niceness(nice)  # as the replica does, before any thread starts: every later one inherits it
-    service = ModelService(getattr(load_serve_config().args, stage_name))
+    stage = getattr(load_serve_config().args, stage_name).model_copy(deep=True)
+    for engine in filter(None, (stage.engine, stage.speculative.draft_engine if stage.speculative else None)):
+        engine.share_cores = share_cores
+    service = ModelService(stage)
     builder = PromptBuilder(service.engine.tokenizer)
 
     async def loop() -> tuple[list[float], list[float]]:
@@ -59,17 +68,18 @@ def _worker(stage_name: str, nice: int, seconds: float, start_at: float, max_tok
     return {"requests": len(ttft), "ttft_ms": summary(ttft), "ms_per_token": summary(per_token)}
 
 
-def _setting(target_nice: int | None, small_nice: int | None, seconds: float, max_tokens: int) -> dict:
+def _setting(target_nice: int | None, small_nice: int | None, share_cores: bool, seconds: float, max_tokens: int) -> dict:
     start_at = time.time() + 20  # both loaded and warm before the window opens
     children = {}
     for stage, nice in (("target", target_nice), ("draft", small_nice)):
         if nice is not None:
             children[stage] = subprocess.Popen(
                 [sys.executable, "-m", "bench.contention", "--worker", stage, "--nice", str(nice),
-                 "--seconds", str(seconds), "--start-at", str(start_at), "--max-tokens", str(max_tokens)],
+                 "--seconds", str(seconds), "--start-at", str(start_at), "--max-tokens", str(max_tokens),
+                 "--share-cores", str(int(share_cores))],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )
-    out: dict = {"target_nice": target_nice, "small_nice": small_nice}
+    out: dict = {"target_nice": target_nice, "small_nice": small_nice, "share_cores": share_cores}
     for stage, child in children.items():
         stdout, _ = child.communicate(timeout=seconds + 300)
         if child.returncode != 0:
@@ -81,7 +91,7 @@ def _setting(target_nice: int | None, small_nice: int | None, seconds: float, ma
 def run(quick: bool = False, seconds: float = 30.0, max_tokens: int = 96) -> dict:
     if quick:
         seconds = 12.0
-    settings = [_setting(t, s, seconds, max_tokens) for t, s in tqdm(SETTINGS, desc="nice settings", unit="setting")]
+    settings = [_setting(t, s, share, seconds, max_tokens) for t, s, share in tqdm(SETTINGS, desc="settings", unit="setting")]
     alone = {"target": settings[0]["target"]["ms_per_token"]["p50"], "small": settings[1]["small"]["ms_per_token"]["p50"]}
     for s in settings:
         for model in ("target", "small"):
@@ -97,5 +107,6 @@ if __name__ == "__main__":  # a child process of `run`
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--start-at", type=float, required=True)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--share-cores", type=int, default=1)
     a = parser.parse_args()
-    print(json.dumps(_worker(a.worker, a.nice, a.seconds, a.start_at, a.max_tokens)))
+    print(json.dumps(_worker(a.worker, a.nice, a.seconds, a.start_at, a.max_tokens, bool(a.share_cores))))

@@ -8,10 +8,12 @@ sample, what a replica adds to queueing. Workloads:
   and the model's own answers.
 `identical` compares the greedy outputs of the two engines on every request.
 
-Batching: the target's ModelService (speculation as shipped) serves 1, 4 and 16 concurrent
-greedy streams with `max_batch_size` 16 and 1 (one request per forward pass, round-robin), in
-one run, the prefix cache off so only decoding differs. Tokens/s is aggregate; ITL is the gap
-between a stream's chunks divided by the tokens in the chunk.
+Batching: the target's ModelService (speculation as shipped) serves 1, 2, 3, 4 and 16 concurrent
+greedy streams in three modes, in one run, the prefix cache off so only decoding differs:
+- `off`: `max_batch_size` 1, a step (a speculative round) per request, round-robin;
+- `always`: every step that finds others waiting joins one batched plain pass;
+- `chosen`: as shipped, the step-mode chooser picks turns or one batch per step.
+Tokens/s is aggregate; ITL is the gap between a stream's chunks divided by the tokens in the chunk.
 """
 
 from __future__ import annotations
@@ -249,12 +251,14 @@ def _batching(service, quick: bool) -> list[dict]:
         wall = time.perf_counter() - start
         return {"tokens_per_s": round(tokens / wall, 1), "itl_p50_ms": summary(itl)["p50"], "tokens": tokens}
 
+    chooser = service.step_mode
     points = []
-    for concurrency in (1, 4, 16):
-        for batching in (False, True):
-            service.max_batch = batch_size if batching else 1
+    for concurrency in (1, 2, 3, 4, 16):
+        for mode in ("off", "always", "chosen") if concurrency > 1 else ("off", "chosen"):
+            service.max_batch = 1 if mode == "off" else batch_size
+            service.step_mode = chooser if mode == "chosen" else None
             result = asyncio.run(point(concurrency))
-            points.append({"concurrency": concurrency, "batching": batching, **result})
+            points.append({"concurrency": concurrency, "mode": mode, "batching": mode != "off", **result})
             print(points[-1], flush=True)
-    service.max_batch = batch_size
+    service.max_batch, service.step_mode = batch_size, chooser
     return points

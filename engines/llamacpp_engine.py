@@ -28,6 +28,7 @@ import torch
 
 from configs.schemas import EngineConfig
 from engines.base import Engine, Sequence
+from engines.cores import CoreShare
 from engines.model_store import package_dir, requantized_gguf, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class LlamaCppEngine(Engine):
                 verbose=False,
             )
 
+        self.cores = CoreShare(config.num_threads, config.share_cores)
+        self._threads: dict[int, int] = {}  # context id -> the threads it was last set to
         self._slots = [context(gguf) for _ in range(config.max_sequences)]
         self._prefill = None
         if config.prefill_quant:
@@ -170,6 +173,7 @@ class LlamaCppEngine(Engine):
             llm.n_tokens = len(state.tokens) - 1  # re-run the last token to get its logits
         if self._prefill is not None and len(state.tokens) - llm.n_tokens >= PREFILL_MIN_TOKENS:
             return self._eval_on_prefill_context(llm, state.tokens)
+        self._pick_threads(llm)
         llm.eval(state.tokens[llm.n_tokens :])
         logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(self._n_vocab,))
         return torch.from_numpy(logits.copy())
@@ -180,12 +184,25 @@ class LlamaCppEngine(Engine):
         if held:
             _copy_kv(llm, pre, held)
         pre.n_tokens = held
+        self._pick_threads(pre)
         pre.eval(tokens[held:])
         logits = np.ctypeslib.as_array(pre._ctx.get_logits(), shape=(self._n_vocab,)).copy()
         _copy_kv(pre, llm, len(tokens))
         llm.input_ids[: len(tokens)] = tokens
         llm.n_tokens = len(tokens)
         return torch.from_numpy(logits)
+
+
+    def _pick_threads(self, llm) -> None:
+        """All threads on an idle box, one beside a busy one (engines/cores.py)."""
+        if not self.cores.enabled:
+            return
+        import llama_cpp
+
+        threads = self.cores.threads()
+        if self._threads.get(id(llm)) != threads:
+            llama_cpp.llama_set_n_threads(llm._ctx.ctx, threads, threads)
+            self._threads[id(llm)] = threads
 
 
 def _copy_kv(src, dst, length: int) -> None:

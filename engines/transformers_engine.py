@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from configs.schemas import EngineConfig
 from engines.base import Engine, Sequence
+from engines.cores import CoreShare
 from engines.model_store import resolve_model_dir
 from engines.prefix_cache import PrefixCache
 
@@ -22,6 +23,8 @@ class TransformersEngine(Engine):
     def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
         torch.set_num_threads(config.num_threads)
+        self.cores = CoreShare(config.num_threads, config.share_cores)
+        self._threads = config.num_threads
         model_dir = resolve_model_dir(config.source, config.cache_dir)
         self.model_id = config.model_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -82,6 +85,7 @@ class TransformersEngine(Engine):
                 keys.append(torch.nn.functional.pad(layer.keys, pad))
                 values.append(torch.nn.functional.pad(layer.values, pad))
             batch.update(torch.cat(keys), torch.cat(values), index)
+        self._pick_threads()
         mask = torch.zeros(len(seqs), width + 1, dtype=torch.long)
         for row, length in enumerate(lengths):
             mask[row, width - length :] = 1
@@ -112,9 +116,17 @@ class TransformersEngine(Engine):
             seq.kv.crop(length - seq.length)  # transformers 5.x: a negative count of tokens to drop
             seq.length = length
 
+    def _pick_threads(self) -> None:
+        """On the thread that runs the pass: torch's thread count is that thread's setting."""
+        threads = self.cores.threads()
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+
     def _forward(self, seq: Sequence, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         if seq.length + len(token_ids) > self.max_model_len:
             raise ValueError(f"sequence would exceed max_model_len={self.max_model_len}")
+        self._pick_threads()
         ids = torch.tensor([token_ids], dtype=torch.long)
         positions = torch.arange(seq.length, seq.length + len(token_ids)).unsqueeze(0)
         out = self.model(

@@ -1,0 +1,106 @@
+"""Use every core of `num_threads` only while nothing else on the box wants one.
+
+A forward pass split over 2 threads waits at every layer for the slower thread. When another
+process runs on one of the 2 cores (the small model decoding, at the same niceness), one of our
+threads keeps losing its core for a scheduler slice and the other spins at the barrier: here the
+target's decode went from ~65 to ~310 ms/token and a ~50-token prefill from ~0.1 to 2-3 s. On one
+thread beside the busy small model it stayed at 65-95 ms/token and 120-230 ms. Alone, one thread
+decodes as fast as two (a decode step is bound by reading the weights) and prefills ~1.9x slower
+(prefill is compute).
+
+So each forward pass runs on all its threads only while the other processes on the box have
+used less than `BUSY_CORES` over the last ~150 ms; else on one. The load is sampled off the
+request path, on a daemon thread (20 reads of /proc/stat a second, ~0.2% of a core); the engine
+reads a number. Not `procs_running`: our own OpenMP and llama.cpp threads spin for a while after
+each pass, and counted as "others" they sent 40-70% of passes to one thread on an idle box.
+Where /proc/stat is missing (not Linux) the configured threads are always used.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+
+BUSY_CORES = 0.35  # other processes' use, in cores, from which a pass runs on one thread
+
+
+def _busy_ticks() -> int:
+    """Ticks the whole box has spent busy (not idle or waiting for I/O)."""
+    with open("/proc/stat", "rb") as f:
+        fields = f.readline().split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return user + nice + system + irq + softirq + steal
+
+
+def _own_ticks() -> int:
+    """Ticks this process has spent on a CPU (user + system), all its threads."""
+    with open("/proc/self/stat", "rb") as f:
+        data = f.read()
+    fields = data[data.rindex(b")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+
+
+class OthersLoad:
+    """Cores used by other processes over the last ~`INTERVAL_S * WINDOW` seconds."""
+
+    INTERVAL_S = 0.05
+    WINDOW = 3
+
+    def __init__(self) -> None:
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self._samples: deque[tuple[float, int, int]] = deque(maxlen=self.WINDOW + 1)
+        self.cores = 0.0
+        self._sample()
+        threading.Thread(target=self._run, name="others-load", daemon=True).start()
+
+    def _sample(self) -> None:
+        self._samples.append((time.monotonic(), _busy_ticks(), _own_ticks()))
+        (t0, busy0, own0), (t1, busy1, own1) = self._samples[0], self._samples[-1]
+        if t1 > t0:
+            self.cores = max(0.0, ((busy1 - busy0) - (own1 - own0)) / self.hz / (t1 - t0))
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.INTERVAL_S)
+            try:
+                self._sample()
+            except (OSError, ValueError):
+                return
+
+
+_load: OthersLoad | None = None
+_load_lock = threading.Lock()
+
+
+def others_load() -> OthersLoad | None:
+    """The process's one sampler, started on first use; None where /proc/stat can't be read."""
+    global _load
+    with _load_lock:
+        if _load is None:
+            try:
+                _load = OthersLoad()
+            except (OSError, ValueError):
+                return None
+        return _load
+
+
+class CoreShare:
+    """The thread count for the next forward pass: `max_threads` on an otherwise idle box, else 1."""
+
+    def __init__(self, max_threads: int, enabled: bool = True) -> None:
+        self.max_threads = max_threads
+        self.load = others_load() if enabled and max_threads > 1 else None
+        self.passes = {"all": 0, "one": 0}  # forward passes by the threads they ran on
+
+    @property
+    def enabled(self) -> bool:
+        return self.load is not None
+
+    def threads(self) -> int:
+        if self.load is None:
+            return self.max_threads
+        busy = self.load.cores >= BUSY_CORES
+        self.passes["one" if busy else "all"] += 1
+        return 1 if busy else self.max_threads
