@@ -9,7 +9,9 @@ decodes as fast as two (a decode step is bound by reading the weights) and prefi
 (prefill is compute).
 
 So each forward pass runs on all its threads only while the other processes on the box have
-used less than `BUSY_CORES` over the last ~150 ms; else on one. The load is sampled off the
+used less than `BUSY_CORES` over the last ~150 ms; else on one. A decoding model uses a whole
+core; the idle service's own processes (Serve's controller, the proxy, the ingress) ~0.2-0.35
+of one between them, which must not cost a lone request its second thread. The load is sampled off the
 request path, on a daemon thread (20 reads of /proc/stat a second, ~0.2% of a core); the engine
 reads a number. Not `procs_running`: our own OpenMP and llama.cpp threads spin for a while after
 each pass, and counted as "others" they sent 40-70% of passes to one thread on an idle box.
@@ -23,7 +25,7 @@ import threading
 import time
 from collections import deque
 
-BUSY_CORES = 0.35  # other processes' use, in cores, from which a pass runs on one thread
+BUSY_CORES = 0.6  # other processes' use, in cores, from which a pass runs on one thread
 
 
 def _busy_ticks() -> int:
