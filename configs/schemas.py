@@ -104,7 +104,7 @@ class EngineConfig(_Strict):
     )
     num_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads in this replica")
     share_cores: bool = Field(
-        True, description="CPU engines: run a forward pass on num_threads only while other processes use < 0.6 cores "
+        True, description="CPU engines: run a forward pass on num_threads only while other processes use < 0.35 cores "
         "(sampled off the request path), else on 1 (engines/cores.py): 2 threads beside a busy model stall at every barrier (~5x slower "
         "decode here), 1 thread decodes as fast as 2 alone"
     )
