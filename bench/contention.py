@@ -46,7 +46,7 @@ def _worker(stage_name: str, nice: int, seconds: float, start_at: float, max_tok
 
     set_niceness(nice)  # as the replica does, before any thread starts: every later one inherits it
     stage = getattr(load_serve_config().args, stage_name).model_copy(deep=True)
-    for engine in filter(None, (stage.engine, stage.speculative.draft_engine if stage.speculative else None)):
+    for engine in filter(None, (stage.engine, stage.speculative.draft_engine)):
         engine.share_cores = share_cores
     service = ModelService(stage)
     builder = PromptBuilder(service.engine.tokenizer)

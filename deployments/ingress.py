@@ -3,25 +3,64 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 from fastapi import FastAPI
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from admission.sync import AdmissionSync
 from configs.schemas import AppArgs, EngineConfig
 from deployments.transport import over
 from engines.model_store import resolve_model_dir
-from engines.types import GenerateRequest
+from engines.types import GenerateChunk, GenerateRequest
 from ingress.api import build_api
 from ingress.direct import DirectListener
+from ingress.errors import APIError
 from ingress.pipeline import ModelStream, Pipeline
 from ingress.prompts import PromptBuilder
 from router.base import RouteDecision, RouteFeatures
 from semantic_cache.cache import CacheEntry, Lookup
 from telemetry.metrics import RequestMetrics
 from telemetry.tracing import make_tracer
+
+log = logging.getLogger(__name__)
+
+
+class ServeModelStream:
+    """A model call over a Ray handle, as the pipeline's `ModelStream`. Serve refuses a call
+    past the model's `max_queued_requests` with BackPressureError: that is a 503 with
+    Retry-After, not a replica failure. And Ray's `cancel()` first fetches the call's result, so
+    on a refused call it raises the refusal again; a `ModelStream`'s cancel must not raise (the
+    pipeline's and the coalescer's cleanups call it, and it replaced their error with a 500 or
+    cut an SSE stream without its error event: bench load, FIFO at 4x)."""
+
+    __slots__ = ("_response", "_model_id")
+
+    def __init__(self, response, model_id: str) -> None:
+        self._response = response
+        self._model_id = model_id
+
+    def __aiter__(self) -> "ServeModelStream":
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        try:
+            return await self._response.__anext__()
+        except BackPressureError:
+            self.cancel()  # let go of the refused call
+            raise APIError(
+                503, "the model's queue is full; retry later", code="model_queue_full",
+                headers={"Retry-After": "1"}, extra={"model": self._model_id},
+            ) from None
+
+    def cancel(self) -> None:
+        try:
+            self._response.cancel()
+        except Exception as exc:
+            log.debug("cancelling a call to %s: %s", self._model_id, type(exc).__name__)
 
 
 class HandleBackends:
@@ -65,7 +104,7 @@ class HandleBackends:
         return await self._router.route.remote(features)
 
     def generate(self, model_id: str, request: GenerateRequest) -> ModelStream:
-        return self._models[model_id].generate.remote(request)
+        return ServeModelStream(self._models[model_id].generate.remote(request), model_id)
 
     async def _await(self, response) -> None:
         try:

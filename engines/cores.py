@@ -15,9 +15,10 @@ proxy use ~0.3-0.6: a mark of 0.35 leaves them a core too (in `bench load`, shed
 and no TTFT miss at 4x; with 0.6, 73-85 ms and two misses, their routing embedding slowed).
 
 The load is sampled off the request path, on a daemon thread (20 reads of /proc/stat a second,
-~0.2% of a core); the engine reads a number. Not `procs_running`: our own OpenMP and llama.cpp threads spin for a while after
-each pass, and counted as "others" they sent 40-70% of passes to one thread on an idle box.
-Where /proc/stat is missing (not Linux) the configured threads are always used.
+~0.2% of a core); the engine reads a number. Not `procs_running`: our own OpenMP and llama.cpp
+threads spin for a while after each pass, and counted as "others" they sent 40-70% of passes to
+one thread on an idle box. Where /proc/stat is missing (not Linux) the configured threads are
+always used. `ModelService.snapshot()` counts the passes by thread count.
 """
 
 from __future__ import annotations

@@ -192,7 +192,6 @@ class LlamaCppEngine(Engine):
         llm.n_tokens = len(tokens)
         return torch.from_numpy(logits)
 
-
     def _pick_threads(self, llm) -> None:
         """All threads on an idle box, one beside a busy one (engines/cores.py)."""
         if not self.cores.enabled:

@@ -231,12 +231,17 @@ class ModelService:
         return tokens
 
     def snapshot(self) -> dict[str, float]:
-        """The counters, plus the prefix cache's (hit rate, blocks, memory) where the engine has one."""
+        """The counters, plus the prefix cache's (hit rate, blocks, memory) where the engine has
+        one, the step modes chosen, and the forward passes by thread count (engines/cores.py)."""
         cache = getattr(self.engine, "prefix_cache", None)
         out = {**self.stats.as_dict(), **(cache.stats() if cache is not None else {})}
         if self.step_mode is not None:
             out["step_mode_batched"] = self.step_mode.decisions["batched"]
             out["step_mode_turns"] = self.step_mode.decisions["turns"]
+        cores = getattr(self.engine, "cores", None)
+        if cores is not None and cores.enabled:  # forward passes on all threads / on one beside a busy box
+            out["passes_all_threads"] = cores.passes["all"]
+            out["passes_one_thread"] = cores.passes["one"]
         return out
 
     # ------------------------------------------------------------------ requests

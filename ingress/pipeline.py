@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 class ModelStream(Protocol):
     def __aiter__(self) -> AsyncIterator[GenerateChunk]: ...
     async def __anext__(self) -> GenerateChunk: ...
-    def cancel(self) -> None: ...
+    def cancel(self) -> None: ...  # never raises: it runs in cleanup paths
 
 
 class Embedder(Protocol):
@@ -540,7 +540,7 @@ class Pipeline:
                 clock.stage("lookup")
                 if found.outcome == "hit":
                     first_chunk.cancel()
-                    _cancel(stream)
+                    stream.cancel()
                     stream = None
                     permit.release()
                     return self._cached(p, found)
@@ -618,7 +618,7 @@ class Pipeline:
                 if pending is not None and not pending.done():
                     pending.cancel()
             if stream is not None:
-                _cancel(stream)
+                stream.cancel()
             raise
 
     def _only_small(self, p: Prepared, feasible: list[bool]) -> RouteDecision | None:
@@ -723,7 +723,7 @@ class Pipeline:
         try:
             return stream, await self._next(stream, p)
         except BaseException:
-            _cancel(stream)
+            stream.cancel()
             raise
 
     def _start(self, model_id: str, request: GenerateRequest, p: Prepared) -> ModelStream:
@@ -815,19 +815,14 @@ class Pipeline:
         try:
             return await asyncio.wait_for(stream.__anext__(), timeout=max(0.001, remaining))
         except asyncio.TimeoutError:
-            _cancel(stream)
+            stream.cancel()
             raise APIError(504, "the request's deadline passed while generating", code="deadline_exceeded") from None
         except StopAsyncIteration:
             raise APIError(503, "the model stream ended without finishing", code="backend_error") from None
         except APIError:
             raise
         except Exception as exc:
-            _cancel(stream)
-            if type(exc).__name__ == "BackPressureError":  # the model's Serve queue is full (max_queued_requests)
-                raise APIError(
-                    503, "the model's queue is full; retry later", code="model_queue_full",
-                    headers={"Retry-After": "1"}, extra={"model": p.model} if p.model else None,
-                ) from None
+            stream.cancel()
             log.warning("model call failed: %s", self._why(exc))
             raise ReplicaFailed(exc) from None
 
@@ -908,7 +903,7 @@ class Pipeline:
             if finished:
                 self._store(p, decision, "".join(parts), chunk)
             else:
-                _cancel(stream)  # the client left: stop the model within one step
+                stream.cancel()  # the client left: stop the model within one step
             # 200 went out with the headers; a stream cut short is a 503 (backend) or 499 (client gone).
             self._completed(p, chunk if finished else None, 200 if finished else 503 if failed else 499)
 
@@ -977,16 +972,6 @@ def _validate(schema: type[BaseModel], body: Any) -> Any:
 # Ray's "the actor is gone" errors, by name so this module needs no Ray: RayActorError and its
 # ActorDiedError, and ActorUnavailableError (unreachable, being replaced).
 _REPLICA_GONE = {"RayActorError", "ActorDiedError", "ActorUnavailableError"}
-
-
-def _cancel(stream: ModelStream) -> None:
-    """Stop a model stream, never raising: Ray's cancel first fetches the call's result, and a
-    call Serve refused (BackPressureError at a full queue) raises it again, which in a cleanup
-    path replaced the request's own error with a 500 or cut an SSE stream without its error event."""
-    try:
-        stream.cancel()
-    except Exception as exc:
-        log.debug("cancelling a model stream: %s", type(exc).__name__)
 
 
 def _replica_gone(exc: BaseException) -> bool:

@@ -80,13 +80,6 @@ class StepModeChooser:
         """One plain step of one sequence (a request that does not speculate)."""
         self.batch_ms[0].update(ms)
 
-    def snapshot(self) -> dict:
-        return {
-            "batch_token_ms": {n: round(self.batch_token_ms(n), 1) for n in (1, 2, 4, 8, 16) if n <= self.max_batch},
-            "turns_token_ms": round(self.turn_token_ms(), 1),
-            **self.decisions,
-        }
-
 
 def _interpolate(points: dict[int, float], n: int) -> float:
     """Piecewise-linear through the measured sizes; beyond the largest, the last slope goes on."""

@@ -594,12 +594,15 @@ def test_model_niceness_is_a_level_not_an_increment():
 def test_a_model_call_refused_at_a_full_serve_queue_is_a_503_with_retry_after_not_a_500():
     """Ray Serve refuses a call past the model's max_queued_requests with BackPressureError, and
     Ray's cancel() raises it again. Under FIFO at 4x capacity that escaped a cleanup path as a
-    500 or cut the stream (bench load: 19 internal errors, 3 requests without an answer)."""
+    500 or cut the stream (bench load: 19 internal errors, 3 requests without an answer). The
+    handle adapter (deployments/ingress.py) turns the refusal into a 503 and never raises on
+    cancel; the pipeline passes the 503 on."""
     from types import SimpleNamespace
 
     from ray.serve.exceptions import BackPressureError
 
-    from ingress.pipeline import Pipeline, _cancel
+    from deployments.ingress import ServeModelStream
+    from ingress.pipeline import Pipeline
 
     class Refused:
         cancelled = 0
@@ -614,8 +617,8 @@ def test_a_model_call_refused_at_a_full_serve_queue_is_a_503_with_retry_after_no
     pipeline = SimpleNamespace(args=SimpleNamespace(ingress=SimpleNamespace(request_timeout_s=5.0)), _why=str)
     p = SimpleNamespace(ctx=SimpleNamespace(remaining_s=lambda cap: cap), model="smollm2-135m-instruct")
     with pytest.raises(APIError) as err:
-        asyncio.run(Pipeline._next(pipeline, Refused(), p))
+        asyncio.run(Pipeline._next(pipeline, ServeModelStream(Refused(), p.model), p))
     assert err.value.status == 503 and err.value.code == "model_queue_full"
     assert err.value.headers["Retry-After"] == "1" and err.value.extra["model"] == p.model
     assert Refused.cancelled == 1
-    _cancel(Refused())  # a cleanup path: never raises
+    ServeModelStream(Refused(), p.model).cancel()  # a cleanup path: never raises
