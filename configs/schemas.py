@@ -350,8 +350,9 @@ class AdmissionConfig(_Strict):
         "null: the mean bias only",
     )
     verdict_wait_ms: float = Field(
-        30.0, ge=0, description="a model=auto request only the small model can take, in a tier without "
-        "downgrade, waits this long for the router's verdict (its embedding: 45-80 ms under load), then is shed",
+        30.0, ge=0, description="a model=auto request waits this long for the router's verdict (its embedding: "
+        "45-105 ms under load), then commits against the load now: to the large model without the verdict "
+        "('router_late'; admission may still downgrade it), to the small one, or shed",
     )
     estimate_max_age_s: float = Field(
         30.0, gt=0, description="a concurrency level's service-time estimate not refreshed for this long starts "

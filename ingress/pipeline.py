@@ -124,10 +124,6 @@ class Prepared:
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
 
 
-# How often a request waiting for the router checks that some model can still take it.
-RECHECK_S = 0.01
-
-
 def _upgrade(p: Prepared, large: str) -> RouteDecision:
     """Send the request to the large model: the small one the router chose can't take it."""
     p.notes["x-admission"] = "upgraded; the small model could not take the request at this load"
@@ -631,24 +627,24 @@ class Pipeline:
         return _downgrade(p, self.args.draft.engine.model_id) if p.tier.downgrade else None
 
     async def _await_verdict(self, p: Prepared, routing: asyncio.Future, tickets: list[Ticket]) -> RouteDecision | None:
-        """Wait for the router, but not past the point where its answer no longer matters. Its
-        embedding took 45-92 ms on a loaded box, and the requests shed after it were the slowest
-        503s. After `verdict_wait_ms`, and every RECHECK_S after that, what the box can take
-        now is checked again: none of the models, shed; only the small one, downgrade (returned)
-        or, where the tier forbids it, shed rather than wait on for a verdict that would shed
-        it half the time. None: the router answered."""
-        wait_s = self.args.admission.verdict_wait_ms / 1000
-        while True:
-            await asyncio.wait({routing}, timeout=wait_s)
-            if routing.done():
-                return None
-            feasible = self.admission.shed_early(tickets)  # raises if no model can take it now
-            forced = self._only_small(p, feasible)
-            if forced is not None:
-                return forced
-            if feasible == [False, True]:
-                raise self.admission.shed_undecided(tickets[0], (time.perf_counter() - p.clock.start) * 1000)
-            wait_s = RECHECK_S
+        """Wait for the router `verdict_wait_ms` at most. Its embedding took 45-105 ms on a loaded
+        box, and a request that waited that long for it, feasible at arrival, was shed later
+        (the slowest 503s: 77-114 ms) because the box filled up meanwhile. So the request
+        commits when the wait is over, against what the box can take now: none of the models,
+        shed; only the small one, downgrade (returned) or, where the tier forbids it, shed; the
+        large one (or the model it named), routed there without the verdict ("router_late";
+        admission may still downgrade it). None: the router answered in time."""
+        await asyncio.wait({routing}, timeout=self.args.admission.verdict_wait_ms / 1000)
+        if routing.done():
+            return None
+        feasible = self.admission.shed_early(tickets)  # raises if no model can take it now
+        forced = self._only_small(p, feasible)
+        if forced is not None:
+            return forced
+        if feasible == [False, True]:
+            raise self.admission.shed_undecided(tickets[0], (time.perf_counter() - p.clock.start) * 1000)
+        # The router's safe choice without an embedding, as it makes it when the embedder is down.
+        return RouteDecision(tickets[0].model_id, "router_late")
 
     def _hint_ids(self, p: Prepared, model_id: str, builder: PromptBuilder, hint: Lookup) -> list[int] | None:
         """A near miss's answer as draft tokens for `model_id`, or None where that model can't

@@ -151,11 +151,11 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
     assert decision.reason == "classifier_hard" and len(counting.texts) == 2
 
 
-def test_a_shed_that_hinges_on_the_routers_verdict_waits_for_it_only_verdict_wait_ms(serve_file, tokenizer, embedder):
+def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then_commits(serve_file, tokenizer, embedder):
     """The large model is busy, the small one idle, and the batch tier may not be downgraded:
     the router's verdict decides between serving (small) and shedding (large). When the
     embedding behind it is slow (a loaded box), the request is shed after verdict_wait_ms,
-    not after the embedding."""
+    not after the embedding; with downgrade it goes small; with both models free, large."""
     import time
 
     from admission.gate import Ticket
@@ -214,6 +214,52 @@ def test_a_shed_that_hinges_on_the_routers_verdict_waits_for_it_only_verdict_wai
     forced, took = asyncio.run(downgrade_tier())
     assert forced is not None and (forced.model_id, forced.reason) == (small, "deadline_downgrade")
     assert 0.03 <= took < 0.5, took
+
+    # Both models free: the request commits to the large one after the wait, without the
+    # verdict, rather than wait on and risk a 503 once the box fills up.
+    pipeline.gate.running.discard(busy)
+    forced, took = asyncio.run(downgrade_tier())
+    assert forced is not None and (forced.model_id, forced.reason) == (large, "router_late")
+    assert 0.03 <= took < 0.5, took
+
+    async def late_router_served() -> tuple:
+        # The whole path: the slow lookup is skipped (no-cache) and the ingress's own embedding
+        # is slow; the request is admitted to the large model after verdict_wait_ms.
+        slow = _SlowEmbedder(embedder, 1.0)
+        pipeline.embedder = slow
+        ctx = context_from_headers({"cache-control": "no-cache", "x-request-deadline-ms": "4000"})
+        tier = pipeline.admission.tier(ctx)
+        body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
+                "max_tokens": 8, "temperature": 0}
+        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
+        pipeline._tokenize(p)
+        p.lookup_done.set()  # as _serve does for a request that skips the cache
+        tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), 8) for m in (large, small)]
+        routing = asyncio.ensure_future(pipeline._route(p))
+        await asyncio.sleep(0)  # the router starts its embedding
+        start = time.perf_counter()
+        forced = await pipeline._await_verdict(p, routing, tickets)
+        took = time.perf_counter() - start
+        routing.cancel()
+        permit, decision = await pipeline._admit(p, forced)
+        permit.release()
+        return decision, took, slow.calls
+
+    decision, took, calls = asyncio.run(late_router_served())
+    assert (decision.model_id, decision.reason) == (large, "router_late") and calls == 1
+    assert 0.03 <= took < 0.5, took
+
+
+class _SlowEmbedder:
+    """The ingress's embedder on a loaded box."""
+
+    def __init__(self, embedder, delay_s: float) -> None:
+        self.embedder, self.delay_s, self.calls = embedder, delay_s, 0
+
+    async def embed_async(self, text: str):
+        self.calls += 1
+        await asyncio.sleep(self.delay_s)
+        return await self.embedder.embed_async(text)
 
 
 def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_model_in_time(serve_file, tokenizer, embedder):
