@@ -191,10 +191,12 @@ def test_replayed_hits_are_chunked_and_join_back_exactly():
 
 
 def test_single_embedding_fast_path_matches_batched_encode(embedder):
-    """The lean one-text forward (lean_bert.py) is in use and gives sentence-transformers' vector."""
+    """The lean one-text forward (lean_bert.py) is in use, traced into one call (it keeps the
+    GIL out of a busy ingress's way), and gives sentence-transformers' vector at every length."""
     import numpy as np
 
     assert embedder.lean is not None, "MiniLM should take the lean forward pass"
+    assert embedder.lean._traced is not None, "the lean pass should run as one TorchScript call"
     texts = ["How do I reverse a list in Python?", "What is the capital of France?", "ok", "word " * 400]
     batched = embedder.embed_many(texts)
     for text, expected in zip(texts, batched):
