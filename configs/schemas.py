@@ -386,9 +386,10 @@ class IngressConfig(_Strict):
     stage_timeout_s: float = Field(2.0, gt=0, description="cache/router call timeout; on expiry degrade, never fail")
     overlap_cache_lookup: bool | Literal["idle"] = Field(
         False,
-        description="start the model while the cache lookup is in flight: a miss pays no lookup wait, but a "
-        "hit wastes up to one prefill and near misses cannot be used as drafts; idle: only while no model "
-        "is running anything (the wasted prefill would delay no one)",
+        description="start the model while the cache lookup is in flight: a miss pays no lookup wait (its CPU "
+        "prefill keeps to one thread until the lookup's embedding is done), a hit cancels the call, a near miss "
+        "follows as a late draft hint; idle: only while no model is running anything (a hit's wasted prefill "
+        "delays no one)",
     )
     request_timeout_s: float = Field(300.0, gt=0, description="ceiling for a request without a deadline")
     body_timeout_s: float = Field(30.0, gt=0, description="the whole request body must arrive within this (408)")

@@ -64,3 +64,8 @@ class Engine(ABC):
 
     def release(self, seq: Sequence | None) -> None:
         """The sequence is finished: free what it holds (a no-op where GC does it)."""
+
+    def leave_one_core(self, until: float) -> None:
+        """Until `until` (time.perf_counter), the passes that start leave one core free: another
+        process works for the same request meanwhile (the cache lookup's embedding). 0 ends
+        it. A no-op where passes don't share the box's cores (one thread, a GPU)."""

@@ -75,6 +75,7 @@ class EngineStats:
         self.max_cancel_rounds_after = 0
         self.last_cancel_free_ms = 0
         self.seat_waits = 0  # requests that waited for a free sequence slot (engine.max_sequences)
+        self.prefills_beside_lookup = 0  # left a core to the ingress's cache lookup for a while
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -435,10 +436,19 @@ class ModelService:
         self.stats.max_cancel_rounds_after = max(self.stats.max_cancel_rounds_after, after)
         self.stats.last_cancel_free_ms = round((time.perf_counter() - cancelled_at) * 1000)
 
-    @staticmethod
-    def _timed_prefill(gen: Generation, enqueued: float) -> GenerateChunk:
+    def _timed_prefill(self, gen: Generation, enqueued: float) -> GenerateChunk:
         queue_ms = (time.perf_counter() - enqueued) * 1000
-        chunk = gen.prefill()
+        overlap_s = gen.request.lookup_overlap_ms / 1000
+        if overlap_s:
+            self.stats.prefills_beside_lookup += 1
+            # The ingress's cache lookup embeds beside this prefill (it started the model before
+            # the lookup came back): both on two cores beat either waiting for the other.
+            gen.engine.leave_one_core(enqueued + overlap_s)
+        try:
+            chunk = gen.prefill()
+        finally:
+            if overlap_s:
+                gen.engine.leave_one_core(0.0)
         chunk.timings_ms["engine_queue"] = queue_ms
         return chunk
 

@@ -37,6 +37,12 @@ class TransformersEngine(Engine):
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         pc = config.prefix_cache
         self.prefix_cache = PrefixCache(pc.block_size, pc.max_mb << 20) if pc.enabled else None
+        # A pass that leaves a core free until a moment goes back to all its threads at the next
+        # decoder layer after it (one check per layer: ~1 us).
+        self._one_core_until = 0.0
+        self._pass_threads = config.num_threads
+        for layer in getattr(self.model.get_decoder(), "layers", []):
+            layer.register_forward_pre_hook(self._layer_threads)
         self.load_seconds = time.monotonic() - start
         log.info("%s loaded from %s in %.1f s (%s)", self.model_id, model_dir, self.load_seconds, config.dtype)
 
@@ -116,9 +122,23 @@ class TransformersEngine(Engine):
             seq.kv.crop(length - seq.length)  # transformers 5.x: a negative count of tokens to drop
             seq.length = length
 
+    def leave_one_core(self, until: float) -> None:
+        self._one_core_until = until
+
     def _pick_threads(self) -> None:
         """On the thread that runs the pass: torch's thread count is that thread's setting."""
-        threads = self.cores.threads()
+        self._pass_threads = self.cores.threads()
+        if self._one_core_until and time.perf_counter() >= self._one_core_until:
+            self._one_core_until = 0.0
+        self._set_threads(1 if self._one_core_until else self._pass_threads)
+
+    def _layer_threads(self, module, args) -> None:
+        """Before each decoder layer: the moment to leave a core free has passed, take it back."""
+        if self._one_core_until and time.perf_counter() >= self._one_core_until:
+            self._one_core_until = 0.0
+            self._set_threads(self._pass_threads)
+
+    def _set_threads(self, threads: int) -> None:
         if threads != self._threads:
             torch.set_num_threads(threads)
             self._threads = threads

@@ -33,6 +33,9 @@ class GenerateRequest:
     deadline_unix: float | None = None  # absolute wall-clock deadline, if the client set one
     draft_hint_ids: list[int] | None = None  # e.g. a near-miss cached answer, for the hint drafter
     trace: dict[str, str] | None = None  # W3C traceparent of the ingress's model-call span, when traced
+    # The ingress's cache lookup runs beside this request for about this long after sending it
+    # (overlap_cache_lookup): the prefill leaves a core to the lookup's embedding meanwhile.
+    lookup_overlap_ms: float = 0.0
 
 
 @dataclass(slots=True)

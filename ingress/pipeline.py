@@ -174,6 +174,9 @@ class Pipeline:
         self.backends = backends
         self.embedder = embedder  # the classifier's, for requests that skip the cache (the lookup brings one)
         self.flights = Flights()
+        # How long a lookup that embeds takes (EMA): a model call started beside one leaves a
+        # core free for that long (GenerateRequest.lookup_overlap_ms).
+        self.lookup_ms = 25.0
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
         near = args.cache.model_copy(update={"max_entries": max(1, args.cache.near_entries), "ttl_s": args.cache.near_ttl_s})
@@ -526,6 +529,8 @@ class Pipeline:
                 generate.draft_hint_ids = self._hint_ids(p, decision.model_id, builder, hint)
             if p.trace is not None and p.trace.sampled:
                 generate.trace = p.trace.start_model_call(decision.model_id)
+            if lookup is not None:  # the model starts beside the lookup (overlap_cache_lookup)
+                generate.lookup_overlap_ms = round(self.lookup_ms, 1)
             stream = self._start(decision.model_id, generate, p)
             if not p.coalesced:  # a follower adds no load to the model
                 self.load.started(decision.model_id)
@@ -742,6 +747,8 @@ class Pipeline:
             found = await asyncio.wait_for(self.backends.cache_lookup(p.cache_key, scope, p.query), self._stage_timeout(p))
             if found.vector is not None:
                 p.vector = found.vector
+            if "embed" in found.timings_ms:
+                self.lookup_ms += 0.2 * ((time.perf_counter() - t) * 1000 - self.lookup_ms)
             p.clock.details_within(t, time.perf_counter(), [(f"lookup.{k}", ms) for k, ms in found.timings_ms.items()])
             if found.outcome == "hit" and found.response is not None:
                 self._remember(p, found.response)  # the next identical request skips the hop

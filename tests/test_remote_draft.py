@@ -113,7 +113,10 @@ def test_a_near_miss_follows_a_request_that_started_before_the_lookup_returned(r
     assert hinted.headers["x-cache"] == "hint", hinted.headers
     stages = [part.split(";")[0].strip() for part in hinted.headers["server-timing"].split(",")]
     assert stages.index("queue") < stages.index("lookup"), "the model was to start before the lookup returned"
-    assert stats()["hint_tokens_accepted"] > before["hint_tokens_accepted"], stats()
+    after = stats()
+    assert after["hint_tokens_accepted"] > before["hint_tokens_accepted"], after
+    # Its prefill left a core to the lookup's embedding (GenerateRequest.lookup_overlap_ms).
+    assert after["prefills_beside_lookup"] > before["prefills_beside_lookup"], after
     plain = ask("What is 15% of 300?", NO_CACHE)
     assert hinted.parse().choices[0].message.content == plain.parse().choices[0].message.content
 

@@ -173,6 +173,50 @@ def test_a_forward_pass_runs_on_one_thread_while_another_process_keeps_a_core_bu
     assert load.cores < BUSY_CORES, f"our own passes read as {load.cores:.2f} cores of others"
     assert one_pass() == 2
 
+def test_a_prefill_beside_the_cache_lookup_leaves_a_core_free_until_the_moment_then_takes_both(serve_file):
+    """GenerateRequest.lookup_overlap_ms: the prefill runs on one thread while the ingress's
+    lookup embeds beside it, and goes back to both at the first decoder layer after the
+    moment; the logits are the same as a plain pass's."""
+    from engines.transformers_engine import TransformersEngine
+
+    config = serve_file.args.target.engine.model_copy(update={"share_cores": False})  # the box's load can't interfere
+    engine = TransformersEngine(config)
+    assert config.num_threads == 2
+    seen: list[int] = []
+    layers = engine.model.get_decoder().layers
+    moment_passes_at: list[int | None] = [None]
+
+    def record(module, args) -> None:
+        index = len(seen)
+        seen.append(torch.get_num_threads())
+        if moment_passes_at[0] == index:
+            engine.leave_one_core(time.perf_counter() - 1)  # as if the window had just ended
+
+    for layer in layers:
+        layer.register_forward_pre_hook(record)  # after the engine's own hook: sees its choice
+    ids = _prompt(engine)
+
+    def prefill(until: float, passes_at: int | None = None) -> torch.Tensor:
+        seen.clear()
+        moment_passes_at[0] = passes_at
+        engine.leave_one_core(until)
+        seq = engine.new_sequence()
+        try:
+            return engine.prefill(seq, ids)
+        finally:
+            engine.leave_one_core(0.0)
+            engine.release(seq)
+
+    plain = prefill(0.0)
+    assert set(seen) == {2} and len(seen) == len(layers)
+    held = prefill(time.perf_counter() + 600)
+    assert set(seen) == {1}, seen
+    switched = prefill(time.perf_counter() + 600, passes_at=4)
+    assert seen[:5] == [1] * 5 and set(seen[5:]) == {2}, seen
+    assert torch.allclose(held, plain, atol=1e-4) and torch.allclose(switched, plain, atol=1e-4)
+    assert prefill(0.0) is not None and set(seen) == {2}, "the window ends with its pass"
+
+
 # int8 costs this 135M model real quality (bench ttft: ~70% teacher-forced agreement); the
 # floor here only tells "degraded" from "broken" (a broken model agrees on ~0%).
 @pytest.mark.parametrize("dtype, floor", [("bfloat16", 0.8), ("int8", 0.3)])
