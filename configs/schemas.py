@@ -262,10 +262,18 @@ class SemanticConfig(_Strict):
         return self
 
 
+_FRONT_NICE = (
+    "OS niceness of this replica's process, every thread (Ray starts workers at 15): below the model "
+    "replicas' 19 it runs ahead of their compute, not beside it; needs CAP_SYS_NICE to go under 15 (else "
+    "a warning and Ray's level); null: leave Ray's"
+)
+
+
 class CacheConfig(_Strict):
     """Response cache: an exact-match fast path, then a semantic (MiniLM + Qdrant) lookup."""
 
     enabled: bool = True
+    nice: int | None = Field(0, ge=-20, le=19, description=_FRONT_NICE)
     max_entries: int = Field(10_000, ge=1)
     ttl_s: float = Field(3600.0, gt=0)
     sampled_opt_in: bool = Field(
@@ -381,6 +389,7 @@ class AdmissionConfig(_Strict):
 
 class IngressConfig(_Strict):
     served_model_ids: list[str] | None = Field(None, description="default: auto + every engine's model_id")
+    nice: int | None = Field(0, ge=-20, le=19, description=_FRONT_NICE)
     max_body_bytes: int = Field(1_048_576, ge=1024)
     sampling: SamplingDefaults = SamplingDefaults()
     stage_timeout_s: float = Field(2.0, gt=0, description="cache/router call timeout; on expiry degrade, never fail")

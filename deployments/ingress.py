@@ -15,6 +15,7 @@ from admission.sync import AdmissionSync
 from configs.schemas import AppArgs, EngineConfig
 from deployments.transport import over
 from engines.model_store import resolve_model_dir
+from engines.niceness import ahead_of_compute
 from engines.types import GenerateChunk, GenerateRequest
 from ingress.api import build_api
 from ingress.direct import DirectListener
@@ -144,6 +145,8 @@ class Ingress:
         draft: DeploymentHandle,
     ) -> None:
         config = AppArgs.model_validate(args)
+        if config.ingress.nice is not None:
+            ahead_of_compute(config.ingress.nice, "Ingress")
         hop = config.handle_transport
         backends = HandleBackends(
             over(cache, hop),

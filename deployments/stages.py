@@ -9,6 +9,7 @@ from ray import serve
 
 from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
+from engines.niceness import ahead_of_compute
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
 from semantic_cache.cache import CacheEntry, Lookup, ResponseCache
@@ -61,6 +62,8 @@ class SemanticCache:
 
     async def __init__(self, args: dict) -> None:
         config = CacheConfig.model_validate(args)
+        if config.nice is not None:
+            ahead_of_compute(config.nice, "SemanticCache")
         self.embedder = None
         store = None
         if config.semantic.enabled:

@@ -1,8 +1,11 @@
-"""OS priority of a model replica's compute."""
+"""OS priority: a model replica's compute below the request path, the request path above it."""
 
 from __future__ import annotations
 
+import logging
 import os
+
+log = logging.getLogger(__name__)
 
 
 def set_niceness(level: int) -> int:
@@ -14,3 +17,32 @@ def set_niceness(level: int) -> int:
     if level > current:
         os.nice(level - current)
     return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def set_process_niceness(level: int) -> int | None:
+    """Set every thread of this process to `level`, lower than Ray's 15 included, so the
+    request path's small, latency-critical work (parse, tokenize, an embedding, relaying
+    tokens) runs ahead of the model replicas' compute. Lowering needs CAP_SYS_NICE (root, or a
+    raised RLIMIT_NICE); without it nothing changes. Returns the level set, or None. Threads
+    started later inherit their creator's level."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the process's level is the only one
+        tids = [0]
+    try:
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, level)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+    except PermissionError:
+        return None
+    return level
+
+
+def ahead_of_compute(level: int, who: str) -> None:
+    """A request-path replica (`ingress.nice`, `cache.nice`) takes its configured level, or says
+    why it could not."""
+    if set_process_niceness(level) is None:
+        log.warning("%s stays at niceness %d: lowering it to %d needs CAP_SYS_NICE; under load its work "
+                    "then shares the cores with the model replicas' compute", who, os.getpriority(os.PRIO_PROCESS, 0), level)

@@ -635,6 +635,31 @@ def test_model_niceness_is_a_level_not_an_increment():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
+def test_a_request_path_replica_goes_ahead_of_the_compute_on_every_thread_or_says_it_cannot():
+    """`ingress.nice` / `cache.nice`: every thread of the process (Ray's included) goes to the
+    level, below Ray's 15 where the process may (CAP_SYS_NICE), and threads started later
+    inherit it; without the right, None and nothing changes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, threading, time\n"
+        "from engines.niceness import set_process_niceness\n"
+        "os.nice(15)\n"  # where Ray starts a worker
+        "ray_thread = threading.Thread(target=time.sleep, args=(2,)); ray_thread.start()\n"
+        "root = os.geteuid() == 0\n"
+        "got = set_process_niceness(0)\n"
+        "levels = {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0))); t.start(); t.join()\n"
+        "if root: assert got == 0 and levels == {0} and seen == [0], (got, levels, seen)\n"
+        "else: assert got is None and levels == {15}, (got, levels)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 def test_a_model_call_refused_at_a_full_serve_queue_is_a_503_with_retry_after_not_a_500():
     """Ray Serve refuses a call past the model's max_queued_requests with BackPressureError, and
     Ray's cancel() raises it again. Under FIFO at 4x capacity that escaped a cleanup path as a
