@@ -19,6 +19,10 @@ from typing import Any
 import torch
 
 
+class PassStopped(Exception):
+    """A forward pass stopped midway (`Engine.stop_pass`): its sequence's KV is unusable."""
+
+
 class Sequence:
     """Engine-side state of one sequence: its KV cache and how many tokens it holds."""
 
@@ -64,6 +68,11 @@ class Engine(ABC):
 
     def release(self, seq: Sequence | None) -> None:
         """The sequence is finished: free what it holds (a no-op where GC does it)."""
+
+    def stop_pass(self, stop: bool) -> None:
+        """From another thread: True makes the pass under way raise `PassStopped` at its next
+        layer (its request was cancelled: a cache hit beside it, a client gone), False clears
+        that. A no-op where a pass can't be stopped midway: it then runs to its end."""
 
     def leave_one_core(self, until: float) -> None:
         """Until `until` (time.perf_counter), the passes that start leave one core free: another

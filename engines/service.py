@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from configs.schemas import ModelStageConfig
 from draft.factory import build_proposers
 from draft.proposers import Proposer
-from engines.base import Engine
+from engines.base import Engine, PassStopped
 from engines.factory import build_engine
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from target.adaptive import CostModel, KChooser
@@ -76,6 +76,7 @@ class EngineStats:
         self.last_cancel_free_ms = 0
         self.seat_waits = 0  # requests that waited for a free sequence slot (engine.max_sequences)
         self.prefills_beside_lookup = 0  # left a core to the ingress's cache lookup for a while
+        self.prefills_stopped = 0  # cancelled midway (a cache hit beside it, a client gone): the rest not computed
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -99,6 +100,9 @@ class ModelService:
         self._batch_scheduled = False
         self._decoding = 0  # requests past their prefill: how many steps a full batch would hold
         self._prefill_jobs: set[Future] = set()  # prefills submitted to the worker, not yet done
+        # The generation whose prefill runs on the worker now: a cancel stops that pass midway.
+        self._prefilling: Generation | None = None
+        self._prefilling_lock = threading.Lock()
         # Without batching, a prefill goes ahead of queued steps; False only to measure the
         # difference (bench prefill_order), not a serving knob.
         self.prefill_first = True
@@ -309,6 +313,8 @@ class ModelService:
                 self.stats.requests_finished += 1
             else:
                 self.stats.requests_cancelled += 1
+                if gen is not None:
+                    self._stop_prefill(gen)
                 if gen is not None and not gen.finished:
                     # Free KV / draft state on the worker thread, after any step in flight.
                     self.executor.submit(self._abort, gen, gen.rounds, time.perf_counter())
@@ -436,7 +442,7 @@ class ModelService:
         self.stats.max_cancel_rounds_after = max(self.stats.max_cancel_rounds_after, after)
         self.stats.last_cancel_free_ms = round((time.perf_counter() - cancelled_at) * 1000)
 
-    def _timed_prefill(self, gen: Generation, enqueued: float) -> GenerateChunk:
+    def _timed_prefill(self, gen: Generation, enqueued: float) -> GenerateChunk | None:
         queue_ms = (time.perf_counter() - enqueued) * 1000
         overlap_s = gen.request.lookup_overlap_ms / 1000
         if overlap_s:
@@ -444,13 +450,29 @@ class ModelService:
             # The ingress's cache lookup embeds beside this prefill (it started the model before
             # the lookup came back): both on two cores beat either waiting for the other.
             gen.engine.leave_one_core(enqueued + overlap_s)
+        with self._prefilling_lock:
+            self._prefilling = gen
         try:
             chunk = gen.prefill()
+        except PassStopped:
+            self.stats.prefills_stopped += 1
+            return None  # nobody waits for it; the abort queued behind frees the sequence
         finally:
+            with self._prefilling_lock:
+                self._prefilling = None
+                gen.engine.stop_pass(False)
             if overlap_s:
                 gen.engine.leave_one_core(0.0)
         chunk.timings_ms["engine_queue"] = queue_ms
         return chunk
+
+    def _stop_prefill(self, gen: Generation) -> None:
+        """A cancelled request's prefill, if it is the one running now, stops at its next layer:
+        the cache hit that cancelled a model call started beside the lookup, or a client gone,
+        no longer holds the worker for the rest of a prompt (seconds, for a long one on CPU)."""
+        with self._prefilling_lock:
+            if self._prefilling is gen:
+                gen.engine.stop_pass(True)
 
 
 def _resolve(done: asyncio.Future, result) -> None:

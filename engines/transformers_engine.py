@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from configs.schemas import EngineConfig
-from engines.base import Engine, Sequence
+from engines.base import Engine, PassStopped, Sequence
 from engines.cores import CoreShare
 from engines.model_store import resolve_model_dir
 from engines.prefix_cache import PrefixCache
@@ -41,6 +41,7 @@ class TransformersEngine(Engine):
         # decoder layer after it (one check per layer: ~1 us).
         self._one_core_until = 0.0
         self._pass_threads = config.num_threads
+        self._stop = False  # set from the event loop's thread: the pass under way ends at its next layer
         for layer in getattr(self.model.get_decoder(), "layers", []):
             layer.register_forward_pre_hook(self._layer_threads)
         self.load_seconds = time.monotonic() - start
@@ -125,6 +126,9 @@ class TransformersEngine(Engine):
     def leave_one_core(self, until: float) -> None:
         self._one_core_until = until
 
+    def stop_pass(self, stop: bool) -> None:
+        self._stop = stop
+
     def _pick_threads(self) -> None:
         """On the thread that runs the pass: torch's thread count is that thread's setting."""
         self._pass_threads = self.cores.threads()
@@ -133,7 +137,10 @@ class TransformersEngine(Engine):
         self._set_threads(1 if self._one_core_until else self._pass_threads)
 
     def _layer_threads(self, module, args) -> None:
-        """Before each decoder layer: the moment to leave a core free has passed, take it back."""
+        """Before each decoder layer: stop if asked to; the moment to leave a core free has
+        passed, take it back."""
+        if self._stop:
+            raise PassStopped
         if self._one_core_until and time.perf_counter() >= self._one_core_until:
             self._one_core_until = 0.0
             self._set_threads(self._pass_threads)

@@ -217,6 +217,50 @@ def test_a_prefill_beside_the_cache_lookup_leaves_a_core_free_until_the_moment_t
     assert prefill(0.0) is not None and set(seen) == {2}, "the window ends with its pass"
 
 
+def test_a_cancelled_request_stops_its_prefill_midway_and_the_next_one_is_untouched(serve_file):
+    """A model call cancelled during its prefill (a cache hit beside it, a client gone) stops at
+    the next decoder layer instead of holding the worker for the rest of the prompt; the
+    engine's next pass runs whole and gives the same answer as before."""
+    from engines.service import ModelService
+
+    stage = serve_file.args.target.model_copy(deep=True)
+    stage.speculative.method = "none"
+    stage.engine.warmup = False
+    service = ModelService(stage)
+    layers = service.engine.model.get_decoder().layers
+    ran: list[int] = []
+    layers[0].register_forward_pre_hook(lambda m, a: ran.clear())
+    for index, layer in enumerate(layers):
+        layer.register_forward_hook(lambda m, a, o, index=index: ran.append(index))
+    question = _prompt(service.engine, "Name a fruit.")
+    long_prompt = _prompt(service.engine, "Summarize this. " + "The sea is blue and the sky is wide. " * 150)
+
+    async def answer(ids: list[int], rid: str) -> str:
+        text = ""
+        async for chunk in service.generate(GenerateRequest(rid, ids, SamplingParams(max_tokens=8, temperature=0.0))):
+            text += chunk.text
+        return text
+
+    async def cancelled_mid_prefill() -> None:
+        ran.clear()
+        task = asyncio.ensure_future(answer(long_prompt, "long"))
+        while service._prefilling is None or not ran:  # its prefill is under way: a layer has run
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    before = asyncio.run(answer(question, "before"))
+    assert len(ran) == len(layers)
+    asyncio.run(cancelled_mid_prefill())
+    service.executor.submit(lambda: None).result()  # the stopped pass and the abort behind it are done
+    assert 0 < len(ran) < len(layers), f"the prefill ran {len(ran)} of {len(layers)} layers"
+    stats = service.snapshot()
+    assert stats["prefills_stopped"] == 1 and stats["requests_cancelled"] == 1, stats
+    assert asyncio.run(answer(question, "after")) == before and len(ran) == len(layers)
+    service.executor.shutdown()
+
+
 # int8 costs this 135M model real quality (bench ttft: ~70% teacher-forced agreement); the
 # floor here only tells "degraded" from "broken" (a broken model agrees on ~0%).
 @pytest.mark.parametrize("dtype, floor", [("bfloat16", 0.8), ("int8", 0.3)])
