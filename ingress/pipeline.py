@@ -124,6 +124,11 @@ class Prepared:
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
 
 
+# Past the embedding's own time: a window that ends before it leaves the two contending (a
+# probe: +13.7 ms TTFT with the window 4 ms short, +5.5-6.4 with it 5-8 ms long).
+OVERLAP_MARGIN_MS = 3.0
+
+
 def _upgrade(p: Prepared, large: str) -> RouteDecision:
     """Send the request to the large model: the small one the router chose can't take it."""
     p.notes["x-admission"] = "upgraded; the small model could not take the request at this load"
@@ -174,9 +179,12 @@ class Pipeline:
         self.backends = backends
         self.embedder = embedder  # the classifier's, for requests that skip the cache (the lookup brings one)
         self.flights = Flights()
-        # How long a lookup that embeds takes (EMA): a model call started beside one leaves a
-        # core free for that long (GenerateRequest.lookup_overlap_ms).
-        self.lookup_ms = 25.0
+        # How long a lookup's embedding and search take in the cache replica (EMA), plus a
+        # margin: a model call started beside the lookup leaves a core free for that long
+        # (GenerateRequest.lookup_overlap_ms). Both calls leave together and both hops out take
+        # about as long, so the embedding ends about that long after the model call arrives.
+        # The whole lookup (~23 ms: hops there and back too) left a core idle for ~8 ms.
+        self.lookup_ms = 20.0
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
         near = args.cache.model_copy(update={"max_entries": max(1, args.cache.near_entries), "ttl_s": args.cache.near_ttl_s})
@@ -748,7 +756,8 @@ class Pipeline:
             if found.vector is not None:
                 p.vector = found.vector
             if "embed" in found.timings_ms:
-                self.lookup_ms += 0.2 * ((time.perf_counter() - t) * 1000 - self.lookup_ms)
+                busy_ms = found.timings_ms["embed"] + found.timings_ms.get("cache_semantic", 0.0) + OVERLAP_MARGIN_MS
+                self.lookup_ms += 0.2 * (busy_ms - self.lookup_ms)
             p.clock.details_within(t, time.perf_counter(), [(f"lookup.{k}", ms) for k, ms in found.timings_ms.items()])
             if found.outcome == "hit" and found.response is not None:
                 self._remember(p, found.response)  # the next identical request skips the hop
