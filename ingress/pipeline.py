@@ -124,6 +124,9 @@ class Prepared:
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
 
 
+# How often a request waiting for the router on an idle box checks that it still is.
+RECHECK_S = 0.01
+
 # Past the embedding's own time: a window that ends before it leaves the two contending (a
 # probe: +13.7 ms TTFT with the window 4 ms short, +5.5-6.4 with it 5-8 ms long).
 OVERLAP_MARGIN_MS = 3.0
@@ -640,24 +643,31 @@ class Pipeline:
         return _downgrade(p, self.args.draft.engine.model_id) if p.tier.downgrade else None
 
     async def _await_verdict(self, p: Prepared, routing: asyncio.Future, tickets: list[Ticket]) -> RouteDecision | None:
-        """Wait for the router `verdict_wait_ms` at most. Its embedding took 45-105 ms on a loaded
-        box, and a request that waited that long for it, feasible at arrival, was shed later
-        (the slowest 503s: 77-114 ms) because the box filled up meanwhile. So the request
-        commits when the wait is over, against what the box can take now: none of the models,
-        shed; only the small one, downgrade (returned) or, where the tier forbids it, shed; the
-        large one (or the model it named), routed there without the verdict ("router_late";
-        admission may still downgrade it). None: the router answered in time."""
-        await asyncio.wait({routing}, timeout=self.args.admission.verdict_wait_ms / 1000)
-        if routing.done():
-            return None
-        feasible = self.admission.shed_early(tickets)  # raises if no model can take it now
-        forced = self._only_small(p, feasible)
-        if forced is not None:
-            return forced
-        if feasible == [False, True]:
-            raise self.admission.shed_undecided(tickets[0], (time.perf_counter() - p.clock.start) * 1000)
-        # The router's safe choice without an embedding, as it makes it when the embedder is down.
-        return RouteDecision(tickets[0].model_id, "router_late")
+        """Wait for the router `verdict_wait_ms`, and longer only while the box is idle. Its
+        embedding took 45-105 ms on a loaded box, and a request that waited that long for it,
+        feasible at arrival, was shed later (the slowest 503s: 77-114 ms) because the box
+        filled up meanwhile. So once the wait is over, and the box is busy, the request commits
+        against what it can take now: none of the models, shed; only the small one, downgrade
+        (returned) or, where the tier forbids it, shed; the large one (or the model it named),
+        routed there without the verdict ("router_late"; admission may still downgrade it). An
+        idle box keeps waiting (checked every RECHECK_S): a long prompt's embedding takes
+        longer than the wait even there, and nothing competes for its slot. None: the router
+        answered."""
+        wait_s = self.args.admission.verdict_wait_ms / 1000
+        while True:
+            await asyncio.wait({routing}, timeout=wait_s)
+            if routing.done():
+                return None
+            feasible = self.admission.shed_early(tickets)  # raises if no model can take it now
+            forced = self._only_small(p, feasible)
+            if forced is not None:
+                return forced
+            if feasible == [False, True]:
+                raise self.admission.shed_undecided(tickets[0], (time.perf_counter() - p.clock.start) * 1000)
+            if not self._idle():
+                # The router's safe choice without an embedding, as when the embedder is down.
+                return RouteDecision(tickets[0].model_id, "router_late")
+            wait_s = RECHECK_S
 
     def _hint_ids(self, p: Prepared, model_id: str, builder: PromptBuilder, hint: Lookup) -> list[int] | None:
         """A near miss's answer as draft tokens for `model_id`, or None where that model can't
@@ -673,8 +683,12 @@ class Pipeline:
         delays no one; under load the lookup's 15-20 ms is small against the queue anyway."""
         mode = self.args.ingress.overlap_cache_lookup
         if mode == "idle":
-            return self.gate.concurrency() == 0 and not any(s.inflight for s in self.load.stages.values())
+            return self._idle()
         return mode
+
+    def _idle(self) -> bool:
+        """No model runs anything: this ingress's count and the others', as last synced."""
+        return self.gate.concurrency() == 0 and not any(s.inflight for s in self.load.stages.values())
 
     async def _admit(self, p: Prepared, decision: RouteDecision) -> tuple[Permit, RouteDecision]:
         """Start, queue or shed (503); downgrade to the small model when only it can make the

@@ -155,7 +155,8 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     """The large model is busy, the small one idle, and the batch tier may not be downgraded:
     the router's verdict decides between serving (small) and shedding (large). When the
     embedding behind it is slow (a loaded box), the request is shed after verdict_wait_ms,
-    not after the embedding; with downgrade it goes small; with both models free, large."""
+    not after the embedding; with downgrade it goes small; with the large model free, large;
+    on an idle box it waits for the verdict."""
     import time
 
     from admission.gate import Ticket
@@ -215,12 +216,34 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     assert forced is not None and (forced.model_id, forced.reason) == (small, "deadline_downgrade")
     assert 0.03 <= took < 0.5, took
 
-    # Both models free: the request commits to the large one after the wait, without the
-    # verdict, rather than wait on and risk a 503 once the box fills up.
+    # The large model free, the small one busy: the request commits to the large one after
+    # the wait, without the verdict, rather than wait on and risk a 503 once the box fills up.
     pipeline.gate.running.discard(busy)
+    other = Ticket(small, "batch", 1, 10, 10)
+    other.finish_at = time.monotonic() + 0.2
+    pipeline.gate.running.add(other)
     forced, took = asyncio.run(downgrade_tier())
     assert forced is not None and (forced.model_id, forced.reason) == (large, "router_late")
     assert 0.03 <= took < 0.5, took
+
+    async def idle_box_waits() -> tuple:
+        # Nothing runs: no one can take the slot meanwhile, so the verdict is worth waiting for.
+        ctx = context_from_headers({"x-request-deadline-ms": "4000"})
+        tier = pipeline.admission.tier(ctx)
+        body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
+                "max_tokens": 100, "temperature": 0}
+        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
+        pipeline._tokenize(p)
+        tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), 100) for m in (large, small)]
+        routing = asyncio.ensure_future(asyncio.sleep(0.12))  # a router that answers after 120 ms
+        start = time.perf_counter()
+        forced = await pipeline._await_verdict(p, routing, tickets)
+        return forced, time.perf_counter() - start
+
+    pipeline.gate.running.discard(other)
+    forced, took = asyncio.run(idle_box_waits())
+    assert forced is None and took >= 0.11, (forced, took)
+    pipeline.gate.running.add(other)
 
     async def late_router_served() -> tuple:
         # The whole path: the slow lookup is skipped (no-cache) and the ingress's own embedding
@@ -245,6 +268,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         permit.release()
         return decision, took, slow.calls
 
+    other.finish_at = time.monotonic() + 0.2
     decision, took, calls = asyncio.run(late_router_served())
     assert (decision.model_id, decision.reason) == (large, "router_late") and calls == 1
     assert 0.03 <= took < 0.5, took
