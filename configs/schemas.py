@@ -358,9 +358,9 @@ class AdmissionConfig(_Strict):
         "null: the mean bias only",
     )
     verdict_wait_ms: float = Field(
-        30.0, ge=0, description="a model=auto request waits this long for the router's verdict (its embedding: "
-        "45-105 ms under load), then commits against the load now: to the large model without the verdict "
-        "('router_late'; admission may still downgrade it), to the small one, or shed",
+        30.0, ge=0, description="on a busy box a model=auto request waits this long for the router's verdict (its "
+        "embedding: 45-105 ms under load), then commits against the load now: to the large model without the "
+        "verdict ('router_late'; admission may still downgrade it), to the small one, or shed; an idle box waits on",
     )
     estimate_max_age_s: float = Field(
         30.0, gt=0, description="a concurrency level's service-time estimate not refreshed for this long starts "
@@ -394,7 +394,7 @@ class IngressConfig(_Strict):
     sampling: SamplingDefaults = SamplingDefaults()
     stage_timeout_s: float = Field(2.0, gt=0, description="cache/router call timeout; on expiry degrade, never fail")
     overlap_cache_lookup: bool | Literal["idle"] = Field(
-        False,
+        "idle",
         description="start the model while the cache lookup is in flight: a miss pays no lookup wait (its CPU "
         "prefill keeps to one thread until the lookup's embedding is done), a hit cancels the call, a near miss "
         "follows as a late draft hint; idle: only while no model is running anything (a hit's wasted prefill "

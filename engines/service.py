@@ -75,7 +75,7 @@ class EngineStats:
         self.max_cancel_rounds_after = 0
         self.last_cancel_free_ms = 0
         self.seat_waits = 0  # requests that waited for a free sequence slot (engine.max_sequences)
-        self.prefills_beside_lookup = 0  # left a core to the ingress's cache lookup for a while
+        self.prefills_beside_lookup = 0  # started beside the ingress's cache lookup (lookup_overlap_ms)
         self.prefills_stopped = 0  # cancelled midway (a cache hit beside it, a client gone): the rest not computed
 
     def as_dict(self) -> dict[str, int]:

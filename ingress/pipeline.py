@@ -187,7 +187,7 @@ class Pipeline:
         # (GenerateRequest.lookup_overlap_ms). Both calls leave together and both hops out take
         # about as long, so the embedding ends about that long after the model call arrives.
         # The whole lookup (~23 ms: hops there and back too) left a core idle for ~8 ms.
-        self.lookup_ms = 20.0
+        self.lookup_embed_ms = 20.0
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
         near = args.cache.model_copy(update={"max_entries": max(1, args.cache.near_entries), "ttl_s": args.cache.near_ttl_s})
@@ -541,7 +541,7 @@ class Pipeline:
             if p.trace is not None and p.trace.sampled:
                 generate.trace = p.trace.start_model_call(decision.model_id)
             if lookup is not None:  # the model starts beside the lookup (overlap_cache_lookup)
-                generate.lookup_overlap_ms = round(self.lookup_ms, 1)
+                generate.lookup_overlap_ms = round(self.lookup_embed_ms, 1)
             stream = self._start(decision.model_id, generate, p)
             if not p.coalesced:  # a follower adds no load to the model
                 self.load.started(decision.model_id)
@@ -771,7 +771,7 @@ class Pipeline:
                 p.vector = found.vector
             if "embed" in found.timings_ms:
                 busy_ms = found.timings_ms["embed"] + found.timings_ms.get("cache_semantic", 0.0) + OVERLAP_MARGIN_MS
-                self.lookup_ms += 0.2 * (busy_ms - self.lookup_ms)
+                self.lookup_embed_ms += 0.2 * (busy_ms - self.lookup_embed_ms)
             p.clock.details_within(t, time.perf_counter(), [(f"lookup.{k}", ms) for k, ms in found.timings_ms.items()])
             if found.outcome == "hit" and found.response is not None:
                 self._remember(p, found.response)  # the next identical request skips the hop

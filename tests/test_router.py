@@ -198,21 +198,30 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     assert 0.03 <= took < 0.5, took  # not the embedding's 1 s
     assert pipeline.gate.rejected == {"deadline_unmeetable": 1}
 
-    async def downgrade_tier() -> tuple:
-        # The same request in a tier that allows downgrade: the small model, without the verdict.
-        ctx = context_from_headers({"x-request-deadline-ms": "4000"})  # interactive
+    async def verdict(make_routing, headers: dict | None = None, max_tokens: int = 100) -> tuple:
+        """An interactive auto request (downgrade allowed) waiting on `make_routing(p)`:
+        (what _await_verdict decided, how long it took, the request)."""
+        ctx = context_from_headers({"x-request-deadline-ms": "4000", **(headers or {})})
         tier = pipeline.admission.tier(ctx)
         body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
-                "max_tokens": 100, "temperature": 0}
+                "max_tokens": max_tokens, "temperature": 0}
         p = pipeline._prepare("chat", body, ctx, tier, "predictive")
         pipeline._tokenize(p)
-        tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), 100) for m in (large, small)]
-        never = asyncio.get_running_loop().create_future()  # a router that does not answer
+        p.lookup_done.set()  # the lookup is not under test: a router goes straight to its embedding
+        tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), max_tokens) for m in (large, small)]
+        routing = make_routing(p)
+        await asyncio.sleep(0)  # a real router starts its embedding
         start = time.perf_counter()
-        forced = await pipeline._await_verdict(p, never, tickets)
-        return forced, time.perf_counter() - start
+        forced = await pipeline._await_verdict(p, routing, tickets)
+        took = time.perf_counter() - start
+        routing.cancel()
+        return forced, took, p
 
-    forced, took = asyncio.run(downgrade_tier())
+    def never(p):  # a router that does not answer
+        return asyncio.get_running_loop().create_future()
+
+    # The same request in a tier that allows downgrade: the small model, without the verdict.
+    forced, took, _ = asyncio.run(verdict(never))
     assert forced is not None and (forced.model_id, forced.reason) == (small, "deadline_downgrade")
     assert 0.03 <= took < 0.5, took
 
@@ -222,26 +231,13 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     other = Ticket(small, "batch", 1, 10, 10)
     other.finish_at = time.monotonic() + 0.2
     pipeline.gate.running.add(other)
-    forced, took = asyncio.run(downgrade_tier())
+    forced, took, _ = asyncio.run(verdict(never))
     assert forced is not None and (forced.model_id, forced.reason) == (large, "router_late")
     assert 0.03 <= took < 0.5, took
 
-    async def idle_box_waits() -> tuple:
-        # Nothing runs: no one can take the slot meanwhile, so the verdict is worth waiting for.
-        ctx = context_from_headers({"x-request-deadline-ms": "4000"})
-        tier = pipeline.admission.tier(ctx)
-        body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
-                "max_tokens": 100, "temperature": 0}
-        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
-        pipeline._tokenize(p)
-        tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), 100) for m in (large, small)]
-        routing = asyncio.ensure_future(asyncio.sleep(0.12))  # a router that answers after 120 ms
-        start = time.perf_counter()
-        forced = await pipeline._await_verdict(p, routing, tickets)
-        return forced, time.perf_counter() - start
-
+    # Nothing runs: no one can take the slot meanwhile, so the verdict is worth waiting for.
     pipeline.gate.running.discard(other)
-    forced, took = asyncio.run(idle_box_waits())
+    forced, took, _ = asyncio.run(verdict(lambda p: asyncio.ensure_future(asyncio.sleep(0.12))))  # answers at 120 ms
     assert forced is None and took >= 0.11, (forced, took)
     pipeline.gate.running.add(other)
 
@@ -250,20 +246,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         # is slow; the request is admitted to the large model after verdict_wait_ms.
         slow = _SlowEmbedder(embedder, 1.0)
         pipeline.embedder = slow
-        ctx = context_from_headers({"cache-control": "no-cache", "x-request-deadline-ms": "4000"})
-        tier = pipeline.admission.tier(ctx)
-        body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
-                "max_tokens": 8, "temperature": 0}
-        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
-        pipeline._tokenize(p)
-        p.lookup_done.set()  # as _serve does for a request that skips the cache
-        tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), 8) for m in (large, small)]
-        routing = asyncio.ensure_future(pipeline._route(p))
-        await asyncio.sleep(0)  # the router starts its embedding
-        start = time.perf_counter()
-        forced = await pipeline._await_verdict(p, routing, tickets)
-        took = time.perf_counter() - start
-        routing.cancel()
+        forced, took, p = await verdict(lambda p: asyncio.ensure_future(pipeline._route(p)), {"cache-control": "no-cache"}, 8)
         permit, decision = await pipeline._admit(p, forced)
         permit.release()
         return decision, took, slow.calls
