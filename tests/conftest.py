@@ -61,11 +61,15 @@ class Service:
         return handle.stats.remote().result(timeout_s=30)
 
 
+def tested_profile():
+    """serve_config.yaml, or the profile SERVE_CONFIG names (e.g. configs/cpu-vllm.yaml or
+    configs/gpu.yaml: the API tests against the vLLM engine)."""
+    return load_serve_config(os.environ.get("SERVE_CONFIG") or DEFAULT_SERVE_CONFIG)
+
+
 @pytest.fixture(scope="session")
 def serve_file():
-    """serve_config.yaml, or the profile SERVE_CONFIG names (e.g. configs/cpu-vllm.yaml: the API
-    tests against the vLLM engine)."""
-    return load_serve_config(os.environ.get("SERVE_CONFIG") or DEFAULT_SERVE_CONFIG)
+    return tested_profile()
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,11 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import DOWNGRADE_TIER, LIMITED_KEY, TEST_BODY_TIMEOUT_S, TEST_MAX_INFLIGHT
+from tests.conftest import DOWNGRADE_TIER, LIMITED_KEY, TEST_BODY_TIMEOUT_S, TEST_MAX_INFLIGHT, tested_profile
 
-TARGET = "smollm2-135m-instruct"
-SMALL = "smollm2-135m-instruct-q4"
+# The profile's own model ids (serve_config.yaml: smollm2-135m-instruct and -q4).
+TARGET = tested_profile().args.target.engine.model_id
+SMALL = tested_profile().args.draft.engine.model_id
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 NO_CACHE = {"Cache-Control": "no-cache, no-store"}
 
@@ -550,7 +551,18 @@ def test_unknown_tier_is_a_400_and_tenant_limits_are_429_with_retry_after(servic
                                                     extra_headers=NO_CACHE).choices
 
 
+def _skip_where_the_large_model_makes_it(service, tokens: int, deadline_ms: float) -> None:
+    """The two tests below need a large model that can't decode `tokens` inside the deadline, as
+    on the CPU profiles (>= 30 ms/token). On a GPU (vLLM: ~7 ms/token) it can, so admission rightly
+    admits it there and the premise can't be set up: skip, saying so."""
+    itl = service.http.get("/health").json()["admission"]["estimates"].get(TARGET, {}).get("itl_ms_by_concurrency", {})
+    slowest = max((v for v in itl.values() if v), default=None)  # at any concurrency it has seen
+    if slowest is not None and slowest * tokens < deadline_ms:
+        pytest.skip(f"the large model decodes at <= {slowest} ms/token here: {tokens} tokens fit {deadline_ms:.0f} ms")
+
+
 def test_auto_request_is_downgraded_when_only_the_small_model_can_meet_its_deadline(service):
+    _skip_where_the_large_model_makes_it(service, 480, 4000)
     client, ctx, _ = _open_stream(service)  # the large model is busy for many seconds
     try:
         # max_tokens > 128 routes to the large model; at its speed (>= 55 ms/token here, more
@@ -578,6 +590,7 @@ def test_auto_request_is_downgraded_when_only_the_small_model_can_meet_its_deadl
 
 
 def test_a_request_only_the_busy_large_model_may_take_is_shed_at_arrival_without_routing(service):
+    _skip_where_the_large_model_makes_it(service, 480, 4000)
     client, ctx, _ = _open_stream(service)  # the large model is busy for many seconds
     try:
         # max_tokens > 128: too big for the small model, and the batch tier may not be
