@@ -58,6 +58,8 @@ class Outcome:
     code: str | None = None
     route: str | None = None
     predicted_ttft_ms: float | None = None  # x-admission-predicted, when admission admitted it
+    prompt: str = ""  # chat | rag | code
+    shed_predicted: dict | None = None  # a 503's body: the prediction it was shed on
     sent_at_s: float = 0.0  # since the point started
     server_timing: str = ""  # where the server spent the time: to shed, or to the first token
 
@@ -99,7 +101,7 @@ def _request(rng: random.Random, n: int) -> tuple[dict, dict, str, float]:
 
 async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, deadline_ms: float, mode: str,
                sent_at_s: float = 0.0) -> Outcome:
-    out = Outcome("lost", tier, deadline_ms, sent_at_s=sent_at_s)
+    out = Outcome("lost", tier, deadline_ms, sent_at_s=sent_at_s, prompt=_prompt_kind(body))
     start = time.perf_counter()
 
     async def send() -> None:
@@ -113,7 +115,8 @@ async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, de
                 raw = await resp.aread()
                 out.e2e_ms = (time.perf_counter() - start) * 1000
                 try:
-                    out.code = json.loads(raw)["error"]["code"]
+                    error = json.loads(raw)["error"]
+                    out.code, out.shed_predicted = error["code"], error.get("predicted")
                 except Exception:
                     out.code = "non_json"
                 out.kind = "shed" if resp.status_code in (429, 503) and out.code != "backend_error" else "error"
@@ -189,6 +192,11 @@ async def _closed_loop(base: str, clients: int, duration_s: float, mode: str, se
     return outcomes
 
 
+def _prompt_kind(body: dict) -> str:
+    text = body["messages"][-1]["content"]
+    return "rag" if text.startswith("Context:") else "code" if "```python" in text else "chat"
+
+
 def _predicted_ttft(header: str | None) -> float | None:
     """`ttft_ms=T; e2e_ms=E` -> T."""
     for part in (header or "").split(";"):
@@ -247,6 +255,12 @@ def _point(sent: list[Outcome], duration_s: float, warm_in_s: float, load_factor
         "shed_at_arrival_p99_ms": _p([o.e2e_ms for o in shed if o.code not in QUEUE_DROPS], 0.99),
         "dropped_in_queue": sum(o.code in QUEUE_DROPS for o in shed),
         "shed_codes": _count(o.code for o in shed),
+        # Which prompts were turned away, against all sent, and what the gate predicted for them:
+        # a lead when admission sheds what FIFO would have served in time.
+        "sent_by_prompt": _count(o.prompt for o in outcomes),
+        "shed_by_prompt": _count(o.prompt for o in shed),
+        "shed_predicted_ttft_ms_p50": _p([o.shed_predicted["ttft_ms"] for o in shed
+                                          if o.shed_predicted and o.shed_predicted.get("ttft_ms") is not None], 0.5),
         **_shed_profile(shed),
         "errors": _count(o.code for o in outcomes if o.kind == "error"),
         "abandoned": sum(o.kind == "abandoned" for o in outcomes),
