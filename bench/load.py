@@ -259,6 +259,7 @@ def _point(sent: list[Outcome], duration_s: float, warm_in_s: float, load_factor
         # a lead when admission sheds what FIFO would have served in time.
         "sent_by_prompt": _count(o.prompt for o in outcomes),
         "shed_by_prompt": _count(o.prompt for o in shed),
+        "shed_by_tier": _count(o.tier for o in shed),
         "shed_predicted_ttft_ms_p50": _p([o.shed_predicted["ttft_ms"] for o in shed
                                           if o.shed_predicted and o.shed_predicted.get("ttft_ms") is not None], 0.5),
         **_shed_profile(shed),
