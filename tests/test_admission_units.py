@@ -287,6 +287,24 @@ def test_prompts_still_in_prefill_count_against_a_new_requests_ttft():
     asyncio.run(main())
 
 
+def test_a_prefill_running_late_still_counts_against_a_new_requests_ttft():
+    """A prompt past its predicted first token is still in the engine, ahead of a newcomer: it
+    counts as late again as it already is (capped at its own predicted time), not as done."""
+    clock = [1000.0]
+    gate = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 2.0), safety=1.0, clock=lambda: clock[0])
+    late = Ticket("m", "t", 0, 10, 10)
+    late.started_at, late.first_at = 1000.0, 1000.6  # a 600 ms prefill predicted
+    gate.running.add(late)
+    assert gate._prefills_ahead_ms(1000.2) == pytest.approx(400.0)  # on time: what is left of it
+    assert gate._prefills_ahead_ms(1000.9) == pytest.approx(300.0)  # 300 ms late: as late again
+    assert gate._prefills_ahead_ms(1003.0) == pytest.approx(600.0)  # at most its own 600 ms again
+    clock[0] = 1000.9
+    fresh = Ticket("m", "t", 0, 10, 10, deadline=clock[0] + 60, ttft_deadline=clock[0] + 0.3)
+    assert gate.check(fresh).reason == "deadline_unmeetable", "its first token waits for the late prefill"
+    gate.first_token(late)
+    assert gate._prefills_ahead_ms(1000.9) == 0.0 and gate.would_meet(fresh)
+
+
 def test_an_idle_model_on_a_busy_box_takes_what_it_can_start_in_time():
     gate = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 5.0), safety=1.0)  # 5 ms per prompt token
     est = gate.estimates["m"]
