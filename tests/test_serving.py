@@ -15,8 +15,9 @@ import pytest
 from tests.conftest import DOWNGRADE_TIER, LIMITED_KEY, TEST_BODY_TIMEOUT_S, TEST_MAX_INFLIGHT, tested_profile
 
 # The profile's own model ids (serve_config.yaml: smollm2-135m-instruct and -q4).
-TARGET = tested_profile().args.target.engine.model_id
-SMALL = tested_profile().args.draft.engine.model_id
+_PROFILE = tested_profile().args
+TARGET = _PROFILE.target.engine.model_id
+SMALL = _PROFILE.draft.engine.model_id
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 NO_CACHE = {"Cache-Control": "no-cache, no-store"}
 
