@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 
@@ -161,7 +162,8 @@ class Ingress:
             # cache (no-cache, sampled). Loaded off the event loop.
             from semantic_cache.embedder import Embedder
 
-            embedder = await asyncio.get_running_loop().run_in_executor(None, Embedder)
+            load = functools.partial(Embedder, precision=config.cache.semantic.embed_precision)
+            embedder = await asyncio.get_running_loop().run_in_executor(None, load)
         self.pipeline = Pipeline(config, backends, _prompt_builders(config), embedder)
         self.pipeline.tracer = make_tracer(config.telemetry.tracing, "Ingress")
         if config.telemetry.metrics.enabled:

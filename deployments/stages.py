@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from ray import serve
@@ -69,7 +70,8 @@ class SemanticCache:
         if config.semantic.enabled:
             from semantic_cache.embedder import Embedder
 
-            self.embedder = await asyncio.get_running_loop().run_in_executor(None, Embedder)  # off the loop
+            load = functools.partial(Embedder, precision=config.semantic.embed_precision)
+            self.embedder = await asyncio.get_running_loop().run_in_executor(None, load)  # off the loop
             store = make_store(config.semantic.store, self.embedder.dimensions)
         self.cache = ResponseCache(config, store)
         self._indexing: asyncio.Future | None = None
@@ -88,8 +90,11 @@ class SemanticCache:
     async def invalidate(self, tenant: str | None = None) -> int:
         return self.cache.invalidate(tenant)
 
-    async def stats(self) -> dict[str, int]:
-        return self.cache.stats()
+    async def stats(self) -> dict:
+        precision = {}
+        if self.embedder is not None:
+            precision = {"embed_precision": self.embedder.precision, "embed_bf16_check": self.embedder.bf16_check}
+        return {**self.cache.stats(), **precision}
 
     async def _purge_forever(self, every_s: float) -> None:
         while True:

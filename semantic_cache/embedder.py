@@ -5,20 +5,36 @@ exact miss) and returns the vector, which the ingress shares with the router and
 with the write: computed once per request. The ingress embeds itself only for requests that
 skip the cache, when the classifier router needs a vector. Encoding runs on one dedicated
 thread: torch work stays off the event loop, and concurrent requests queue instead of
-fighting over the two cores.
+fighting over the two cores. Where the CPU has native bf16 dot products the pass runs in
+bfloat16 (`precision`, measured at load: ~0.6x the time, cosine ≥ 0.9995 to float32).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
 DIMENSIONS = 384
+Precision = Literal["auto", "float32", "bfloat16"]
+# bfloat16 is taken only this close to the float32 vector (cosine, on every probe text)...
+BF16_MIN_COSINE = 0.9995
+# ...and only where it measures at most this fraction of float32's time: without native bf16
+# dot products (AVX512-BF16 / AMX) it is emulated, and slower.
+BF16_MAX_TIME_RATIO = 0.85
+_PROBES = (
+    "Is the lean forward pass the same as the modules' one, token for token?",
+    "ok",
+    "How do I configure retries with exponential backoff for a flaky HTTP client in Python, and "
+    "what timeouts should I set for connect and read when the server is behind a load balancer?",
+)
 
 
 def model_path() -> str:
@@ -28,14 +44,16 @@ def model_path() -> str:
 
 
 class Embedder:
-    def __init__(self, path: str | None = None, num_threads: int = 1) -> None:
+    def __init__(self, path: str | None = None, num_threads: int = 1, precision: Precision = "auto") -> None:
         # Every torch call, loading included, runs on this one thread: with num_threads > 1 a
         # second calling thread would get OpenMP's second thread team on the same cores, and
         # every parallel region in the process ran ~3x slower here once two teams existed.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
-        self._executor.submit(self._load, path, num_threads).result()
+        self.precision = "modules"  # what single-text embeddings run in; set by _load
+        self.bf16_check: dict[str, float] = {}  # bfloat16 against float32 at load: cosine, time ratio
+        self._executor.submit(self._load, path, num_threads, precision).result()
 
-    def _load(self, path: str | None, num_threads: int) -> None:
+    def _load(self, path: str | None, num_threads: int, precision: Precision) -> None:
         import torch
         from sentence_transformers import SentenceTransformer
 
@@ -43,12 +61,15 @@ class Embedder:
         # Loading from the package's directory makes no network call.
         self.model = SentenceTransformer(path or model_path(), device="cpu")
         self.dimensions = self.model.get_embedding_dimension() or DIMENSIONS
-        self.lean = self._lean_encoder()
+        self.lean = self._lean_encoder(precision)
         self._embed("warm up")  # the first call pays for lazy initialisation; not a request
 
-    def _lean_encoder(self):
+    def _lean_encoder(self, precision: Precision):
         """The lean single-text forward (semantic_cache/lean_bert.py) when this model is BERT
-        + mean pooling + normalize and gives the modules' vector; otherwise None (modules)."""
+        + mean pooling + normalize and gives the modules' vector; otherwise None (modules).
+        In bfloat16 when asked for, or (auto) where it is both faster here and close enough."""
+        import torch
+
         from semantic_cache.lean_bert import LeanBertEncoder
 
         modules = [type(m).__name__ for m in self.model]
@@ -63,7 +84,21 @@ class Embedder:
         if float(np.dot(lean.embed(probe), self._embed_modules(probe))) < 0.99999:
             log.warning("lean MiniLM forward disagrees with sentence-transformers; using the modules")
             return None
-        return lean
+        self.precision = "float32"
+        if precision == "float32":
+            return lean
+        half = LeanBertEncoder(self.model[0].auto_model, self.model.tokenizer, self.model.max_seq_length, torch.bfloat16)
+        cosine = min(float(np.dot(half.embed(text), lean.embed(text))) for text in _PROBES)
+        ratio = _time_ratio(half, lean, _PROBES[2])
+        self.bf16_check = {"cosine": round(cosine, 6), "time_ratio": round(ratio, 3)}
+        if cosine < BF16_MIN_COSINE or (precision == "auto" and ratio > BF16_MAX_TIME_RATIO):
+            log.info("MiniLM in float32: bfloat16 cosine %.5f, time x%.2f", cosine, ratio)
+            if precision == "bfloat16":
+                log.warning("MiniLM bfloat16 strays from float32 (cosine %.5f); using float32", cosine)
+            return lean
+        log.info("MiniLM in bfloat16: cosine to float32 %.5f, time x%.2f", cosine, ratio)
+        self.precision = "bfloat16"
+        return half
 
     def embed(self, text: str) -> np.ndarray:
         """Unit-length float32 vector, so cosine similarity is a dot product."""
@@ -97,3 +132,19 @@ class Embedder:
 
     async def embed_async(self, text: str) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed, text)
+
+
+def _time_ratio(candidate, baseline, text: str, rounds: int = 7) -> float:
+    """candidate's time / baseline's on one text: the median of rounds taken in turns, so a
+    busy box (replicas start side by side) slows both alike."""
+    for encoder in (candidate, baseline):
+        encoder.embed(text)
+    ratios = []
+    for _ in range(rounds):
+        times = []
+        for encoder in (candidate, baseline):
+            start = time.perf_counter()
+            encoder.embed(text)
+            times.append(time.perf_counter() - start)
+        ratios.append(times[0] / max(times[1], 1e-9))
+    return statistics.median(ratios)
