@@ -43,6 +43,7 @@ from draft.proposers import Proposer
 from engines.base import Engine, PassStopped
 from engines.factory import build_engine
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
+from engines.worker_clock import WorkerClock
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
 from target.step_mode import StepModeChooser
@@ -93,6 +94,7 @@ class ModelService:
         self.engine = engine or build_engine(config.engine)
         self.stats = EngineStats()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{config.engine.model_id}")
+        self.worker_clock = WorkerClock()  # splits a prompt's engine_queue into what ran ahead of it
         # Batching needs an engine that can decode several sequences in one pass.
         self.max_batch = config.engine.max_batch_size if hasattr(self.engine, "decode_batch") else 1
         self._pending: list[tuple[Generation, asyncio.Future]] = []  # decode steps waiting for the worker
@@ -284,7 +286,7 @@ class ModelService:
             early = self._early_hints.pop(request.request_id, None)
             if early is not None:
                 gen.add_hint(early)
-            job = self.executor.submit(self._timed_prefill, gen, enqueued)
+            job = self.executor.submit(self._timed_prefill, gen, enqueued, self.worker_clock.mark())
             self._prefill_jobs.add(job)
             job.add_done_callback(self._prefill_jobs.discard)
             chunk = await asyncio.wrap_future(job, loop=loop)  # cancelled before it runs: dropped
@@ -360,7 +362,8 @@ class ModelService:
             self.executor.submit(self._run_one, loop, gen, done, True)  # behind it, in its turn
             return
         try:
-            result = gen.step()
+            with self.worker_clock.job("steps"):
+                result = gen.step()
         except Exception as exc:  # never strand the waiting request
             result = exc
         loop.call_soon_threadsafe(_resolve, done, result)
@@ -397,7 +400,8 @@ class ModelService:
                 return
         start = time.perf_counter()
         try:
-            results: list = [gens[0].step()] if len(gens) == 1 else Generation.step_batch(gens)
+            with self.worker_clock.job("steps"):
+                results: list = [gens[0].step()] if len(gens) == 1 else Generation.step_batch(gens)
         except Exception as exc:  # never strand a waiting request
             results = [exc] * len(gens)
         else:
@@ -428,7 +432,8 @@ class ModelService:
             if done.cancelled():
                 continue  # its client left: no step
             try:
-                result = gen.step()
+                with self.worker_clock.job("steps"):
+                    result = gen.step()
             except Exception as exc:  # never strand the waiting request
                 result = exc
             self.stats.decode_batches += 1
@@ -442,8 +447,9 @@ class ModelService:
         self.stats.max_cancel_rounds_after = max(self.stats.max_cancel_rounds_after, after)
         self.stats.last_cancel_free_ms = round((time.perf_counter() - cancelled_at) * 1000)
 
-    def _timed_prefill(self, gen: Generation, enqueued: float) -> GenerateChunk | None:
+    def _timed_prefill(self, gen: Generation, enqueued: float, mark: dict[str, float]) -> GenerateChunk | None:
         queue_ms = (time.perf_counter() - enqueued) * 1000
+        ahead_ms = self.worker_clock.since(mark)
         overlap_s = gen.request.lookup_overlap_ms / 1000
         if overlap_s:
             self.stats.prefills_beside_lookup += 1
@@ -453,7 +459,8 @@ class ModelService:
         with self._prefilling_lock:
             self._prefilling = gen
         try:
-            chunk = gen.prefill()
+            with self.worker_clock.job("prefills"):
+                chunk = gen.prefill()
         except PassStopped:
             self.stats.prefills_stopped += 1
             return None  # nobody waits for it; the abort queued behind frees the sequence
@@ -464,6 +471,8 @@ class ModelService:
             if overlap_s:
                 gen.engine.leave_one_core(0.0)
         chunk.timings_ms["engine_queue"] = queue_ms
+        for kind, ms in ahead_ms.items():  # the worker's time on others' work while this one waited
+            chunk.timings_ms[f"engine_queue.{kind}"] = ms
         return chunk
 
     def _stop_prefill(self, gen: Generation) -> None:

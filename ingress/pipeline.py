@@ -573,6 +573,8 @@ class Pipeline:
             p.engine_queue_ms = first.timings_ms.get("engine_queue", 0.0)
             p.prefill_ms = first.timings_ms.get("prefill")
             clock.stage_parts([("engine_queue", p.engine_queue_ms), ("prefill", p.prefill_ms or 0.0)], "hop", first_at)
+            # What the model's worker ran while this prompt waited: others' prefills, decode steps.
+            clock.details_in_stage("engine_queue", [(k, ms) for k, ms in first.timings_ms.items() if k.startswith("engine_queue.")])
             if "prefix_reused_tokens" in first.timings_ms:
                 clock.counts["prefix_reused_tokens"] = first.timings_ms["prefix_reused_tokens"]
             ttft_ms = (first_at - clock.start) * 1000

@@ -66,6 +66,13 @@ class StageClock:
             self.details.append((name, t, t + dur))
             t += dur
 
+    def details_in_stage(self, stage: str, parts: list[tuple[str, float]]) -> None:
+        """Details measured elsewhere (ms) that explain the last `stage`, laid inside it."""
+        for name, start, end in reversed(self.stages):
+            if name == stage:
+                self.details_within(start, end, parts)
+                return
+
     def ms(self, name: str) -> float | None:
         """A stage's (summed) or a detail's duration in ms, or None if it never ran."""
         found = [e - s for n, s, e in self.stages if n == name] or [e - s for n, s, e in self.details if n == name]

@@ -139,11 +139,15 @@ class ModelCallTrace:
         self.first_ns: int | None = None
         self.last_ns: int | None = None
         self.queue_ms = self.prefill_ms = 0.0
+        self.queue_ahead: dict[str, float] = {}
 
     def first_chunk(self, timings_ms: Mapping[str, float]) -> None:
         self.first_ns = time.time_ns()
         self.queue_ms = timings_ms.get("engine_queue", 0.0)
         self.prefill_ms = timings_ms.get("prefill", 0.0)
+        # What ran ahead on the model's worker while this prompt queued (engines/worker_clock.py).
+        self.queue_ahead = {f"engine.queue.{k.split('.', 1)[1]}_ms": round(ms, 1)
+                            for k, ms in timings_ms.items() if k.startswith("engine_queue.")}
 
     def last_chunk(self) -> None:
         """The final chunk is made. The generator resumes after the caller already has it (and
@@ -153,7 +157,7 @@ class ModelCallTrace:
     def finish(self, tokens: int, timings_ms: Mapping[str, float], outcome: str) -> None:
         end = self.last_ns or time.time_ns()
         t = self.called_ns
-        spans = [("engine.queue", t, t + int(self.queue_ms * 1e6), {})]
+        spans = [("engine.queue", t, t + int(self.queue_ms * 1e6), self.queue_ahead)]
         t += int(self.queue_ms * 1e6)
         spans.append(("engine.prefill", t, t + int(self.prefill_ms * 1e6), {}))
         if self.first_ns is not None:

@@ -754,3 +754,46 @@ def test_bench_engines_flag_is_checked_before_anything_runs(tmp_path, capsys):
         main(["load", "--out", str(tmp_path / "x.json"), "--engines", "vllm"])
     assert exit_info.value.code == 2 and "does not apply to the load suite" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_prompts_engine_queue_splits_into_the_prefills_and_steps_that_ran_ahead_of_it(serve_file):
+    """engines/worker_clock.py: the first chunk says how much of its `engine_queue` the worker
+    spent on decode steps and on other prompts' prefills; the job running at arrival counts only
+    from then on. Two prompts arrive while a 0.4 s step holds the worker: the first waited for
+    the step alone, the second for the step and the first one's prefill."""
+    from engines.service import ModelService
+
+    stage = serve_file.args.target.model_copy(deep=True)
+    stage.speculative.method = "none"
+    stage.engine.warmup = False
+    service = ModelService(stage)
+
+    async def first_chunk(request_id: str, text: str):
+        request = GenerateRequest(request_id, _prompt(service.engine, text), SamplingParams(max_tokens=1, temperature=0.0))
+        async for chunk in service.generate(request):
+            return chunk
+
+    async def scenario():
+        running = threading.Event()
+
+        def step() -> None:
+            with service.worker_clock.job("steps"):
+                running.set()
+                time.sleep(0.5)
+
+        held = asyncio.get_running_loop().run_in_executor(service.executor, step)
+        while not running.is_set():
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)  # 0.1 s of the step ran before the prompts came: not theirs to wait for
+        chunks = await asyncio.gather(first_chunk("one", "Name a colour."), first_chunk("two", "Name a planet."))
+        await held
+        return chunks
+
+    one, two = asyncio.run(scenario())
+    service.executor.shutdown()
+    for chunk in (one, two):
+        t = chunk.timings_ms
+        assert 300 <= t["engine_queue.steps"] <= 420, t  # the step's last ~0.4 s
+        assert t["engine_queue.steps"] + t["engine_queue.prefills"] <= t["engine_queue"] + 5, t
+    assert one.timings_ms["engine_queue.prefills"] == 0.0, one.timings_ms
+    assert two.timings_ms["engine_queue.prefills"] >= 0.9 * one.timings_ms["prefill"] - 2, (one.timings_ms, two.timings_ms)
