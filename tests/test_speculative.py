@@ -333,3 +333,42 @@ def test_concurrent_speculating_requests_stay_lossless_in_turns_and_batched(spec
                 assert spec_service.stats.draft_tokens_proposed > proposed, "rounds in turn speculate"
     finally:
         chooser.turn_token_ms, chooser._batched = live, None
+
+
+def test_a_draft_models_long_catch_up_waits_while_a_new_prompt_is_queued(spec_service):
+    """A model drafter's first round is its own prefill of the whole context: while a new
+    prompt waits for the worker, that round is a plain step instead (the prompt is not held
+    behind seconds of catch-up under load), and the drafter starts once the prompt is through.
+    Greedy output is the same either way."""
+    tok = spec_service.engine.tokenizer
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    ids = _chat_ids(tok, conversations()["rag"][0])
+    assert len(ids) > 64
+    plain, _ = _decode(spec_service, ids, params, None)
+    waiting = [True]
+    drafter = ModelDraft(spec_service.draft_engine)
+    calls: list[int] = []
+    real = drafter.propose
+
+    def propose(state, context, k, p, rng):
+        calls.append(len(context))
+        return real(state, context, k, p, rng)
+
+    drafter.propose = propose
+    spec = Speculation([drafter], KChooser(spec_service.costs, fixed_k=4), prompt_waiting=lambda: waiting[0])
+
+    def run() -> tuple[list[int], int]:
+        gen = Generation(spec_service.engine, GenerateRequest("t", ids, params), spec)
+        gen.prefill()
+        for _ in range(3):  # the prompt still waits: no catch-up, plain steps
+            gen.step()
+        held = len(calls)
+        waiting[0] = False
+        while not gen.finished:
+            gen.step()
+        return gen.tokens[len(ids) :], held
+
+    tokens, held = spec_service.executor.submit(run).result()
+    assert held == 0, "the drafter caught up while a prompt was waiting"
+    assert calls, "the drafter never started once the prompt was through"
+    assert tokens == plain
