@@ -14,6 +14,7 @@ Which drafter a round uses, and how many tokens, is decided in target/adaptive.p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,11 @@ class ModelDraft(Proposer):
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # Asked before each further draft token: True stops drafting and sends what it has to
+        # verification. The replica sets it to "a new prompt waits for the worker": under load
+        # a round of 8 draft tokens at nice 19 took most of a second, all of it ahead of the
+        # prompt (bench load: 0.7-1.3 s of decode steps ahead of the 2x TTFT misses).
+        self.cut_short: Callable[[], bool] | None = None
 
     def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> _ModelState:
         return _ModelState(self.engine.new_sequence())
@@ -101,6 +107,8 @@ class ModelDraft(Proposer):
                 dists.append(q)
             tokens.append(token)
             if i < k - 1:
+                if self.cut_short is not None and self.cut_short():
+                    break
                 logits = engine.decode_step(state.seq, token)
         state.tokens = list(context) + tokens[:-1]
         # Each drafted token costs one draft forward pass: k-1 timed here, plus the catch-up

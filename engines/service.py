@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from configs.schemas import ModelStageConfig
 from draft.factory import build_proposers
-from draft.proposers import Proposer
+from draft.proposers import ModelDraft, Proposer
 from engines.base import Engine, PassStopped
 from engines.factory import build_engine
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
@@ -111,6 +111,9 @@ class ModelService:
         # FIFO, and a waiter cancelled (client gone) gives up its place; one event loop per replica.
         self._seats = asyncio.Semaphore(self.engine.max_sequences) if self.engine.max_sequences else None
         self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
+        for proposer in self.proposers:  # a round's drafting stops early for a waiting prompt
+            if isinstance(proposer, ModelDraft):
+                proposer.cut_short = self._prefill_waiting
         self._live: dict[str, Generation] = {}  # request id -> its generation, for late hints
         self._early_hints: OrderedDict[str, list[int]] = OrderedDict()  # late hints that beat their request here
         self.costs: CostModel | None = None

@@ -372,3 +372,28 @@ def test_a_draft_models_long_catch_up_waits_while_a_new_prompt_is_queued(spec_se
     assert held == 0, "the drafter caught up while a prompt was waiting"
     assert calls, "the drafter never started once the prompt was through"
     assert tokens == plain
+
+
+def test_a_draft_round_stops_drafting_early_for_a_waiting_prompt_and_stays_lossless(spec_service):
+    """ModelDraft.cut_short: while a new prompt waits for the worker, a round sends what it has
+    drafted (one token) to verification instead of drafting all k; greedy output is unchanged.
+    The replica's own drafters are wired to its queue."""
+    assert any(getattr(p, "cut_short", None) == spec_service._prefill_waiting for p in spec_service.proposers)
+    tok = spec_service.engine.tokenizer
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    ids = _chat_ids(tok, conversations()["chat"][0])
+    plain, _ = _decode(spec_service, ids, params, None)
+    drafter = ModelDraft(spec_service.draft_engine)
+    drafter.cut_short = lambda: True
+    sizes: list[int] = []
+    real = drafter.propose
+
+    def propose(state, context, k, p, rng):
+        proposal = real(state, context, k, p, rng)
+        sizes.append(len(proposal.tokens))
+        return proposal
+
+    drafter.propose = propose
+    fast, _ = _decode(spec_service, ids, params, Speculation([drafter], KChooser(spec_service.costs, fixed_k=6)))
+    assert sizes and set(sizes) == {1}, sizes
+    assert fast == plain
