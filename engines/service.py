@@ -23,7 +23,9 @@ so a new prompt queued behind a round of them would wait for every one: with 4 s
 three steps, which beside a busy target took ~200 ms each (bench load: 0.5-0.8 s in
 `engine_queue`, the only TTFT misses of a run at 4x capacity). There, a prefill goes ahead of
 the decode steps queued before it; the step in progress still finishes. Each deferred step
-keeps its place in the round and is deferred once at most.
+keeps its place in the round and is deferred once at most. With batching, a queued pass lets a
+waiting prompt go first (once), a drafter's long catch-up waits for a round, and a draft round
+under way stops drafting: a new prompt waits for at most the job in progress.
 """
 
 from __future__ import annotations

@@ -287,19 +287,12 @@ def test_reduced_precision_engines_load_and_agree_with_float32(engine, serve_fil
     assert agreement >= floor, f"{dtype} agrees with float32 on {agreement:.0%} of next tokens"
 
 
-def test_a_new_prompt_goes_ahead_of_queued_llamacpp_steps(serve_file):
-    """The small model (llama.cpp) runs each sequence's decode step as its own worker job. A
-    prompt that arrives while a step is queued behind the one in progress runs before it: under
-    load it otherwise waited for a whole round of them (bench load: 0.5-0.8 s in `engine_queue`
-    at 4x capacity). The deferred step still runs, and the long answer is complete."""
-    from engines.service import ModelService
-
-    stage = serve_file.args.draft.model_copy(deep=True)
-    stage.engine.warmup = False
-    service = ModelService(stage)
-    assert service.max_batch == 1
+def _calls_after_a_prompt_queued_behind_a_step(service, names: tuple[str, ...]) -> tuple[list[str], int]:
+    """A long answer decodes; a job holds the worker while the answer's next step queues behind
+    it; a fresh prompt arrives. Returns the engine calls (of `names`) from the prompt's arrival
+    on, and the long answer's token count."""
     calls: list[str] = []
-    for name in ("prefill", "decode_step"):
+    for name in names:
         real = getattr(service.engine, name)
 
         def wrapped(*a, _real=real, _name=name, **kw):
@@ -341,8 +334,24 @@ def test_a_new_prompt_goes_ahead_of_queued_llamacpp_steps(serve_file):
         await fresh
         return calls[mark:], await long
 
-    after, long_tokens = asyncio.run(scenario())
-    service.executor.shutdown()
+    try:
+        return asyncio.run(scenario())
+    finally:
+        service.executor.shutdown()
+
+
+def test_a_new_prompt_goes_ahead_of_queued_llamacpp_steps(serve_file):
+    """The small model (llama.cpp) runs each sequence's decode step as its own worker job. A
+    prompt that arrives while a step is queued behind the one in progress runs before it: under
+    load it otherwise waited for a whole round of them (bench load: 0.5-0.8 s in `engine_queue`
+    at 4x capacity). The deferred step still runs, and the long answer is complete."""
+    from engines.service import ModelService
+
+    stage = serve_file.args.draft.model_copy(deep=True)
+    stage.engine.warmup = False
+    service = ModelService(stage)
+    assert service.max_batch == 1
+    after, long_tokens = _calls_after_a_prompt_queued_behind_a_step(service, ("prefill", "decode_step"))
     assert after[0] == "prefill", after[:4]
     assert long_tokens > 2  # the deferred step ran, and the answer went on
 
@@ -359,53 +368,7 @@ def test_a_new_prompt_goes_ahead_of_a_queued_batched_decode_pass(serve_file):
     stage.engine.warmup = False
     service = ModelService(stage)
     assert service.max_batch > 1
-    calls: list[str] = []
-    for name in ("prefill", "decode_batch", "decode_step"):
-        real = getattr(service.engine, name, None)
-        if real is None:
-            continue
-
-        def wrapped(*a, _real=real, _name=name, **kw):
-            calls.append(_name)
-            return _real(*a, **kw)
-
-        setattr(service.engine, name, wrapped)
-
-    async def collect(request_id: str, text: str, max_tokens: int, started: asyncio.Event | None = None) -> int:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        n = 0
-        async for chunk in service.generate(GenerateRequest(request_id, _prompt(service.engine, text), params)):
-            n += chunk.num_tokens
-            if started is not None and n >= 2:
-                started.set()
-        return n
-
-    async def scenario() -> tuple[list[str], int]:
-        decoding = asyncio.Event()
-        long = asyncio.create_task(collect("long", "Count from one to fifty.", 24, decoding))
-        await decoding.wait()
-        blocking = threading.Event()
-
-        def block() -> None:
-            blocking.set()
-            time.sleep(0.5)
-
-        blocker = asyncio.get_running_loop().run_in_executor(service.executor, block)
-        while not blocking.is_set():  # the pass in progress is done; the worker sleeps
-            await asyncio.sleep(0.005)
-        for _ in range(200):  # the long request's next pass queues behind the blocker
-            if service.executor._work_queue.qsize() >= 1:
-                break
-            await asyncio.sleep(0.005)
-        assert service.executor._work_queue.qsize() >= 1
-        mark = len(calls)
-        fresh = asyncio.create_task(collect("fresh", "Name a colour.", 2))
-        await blocker
-        await fresh
-        return calls[mark:], await long
-
-    after, long_tokens = asyncio.run(scenario())
-    service.executor.shutdown()
+    after, long_tokens = _calls_after_a_prompt_queued_behind_a_step(service, ("prefill", "decode_batch", "decode_step"))
     assert after and after[0] == "prefill", after[:4]
     assert long_tokens > 2  # the deferred pass ran, and the answer went on
 
