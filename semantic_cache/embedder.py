@@ -87,9 +87,13 @@ class Embedder:
         self.precision = "float32"
         if precision == "float32":
             return lean
-        half = LeanBertEncoder(self.model[0].auto_model, self.model.tokenizer, self.model.max_seq_length, torch.bfloat16)
-        cosine = min(float(np.dot(half.embed(text), lean.embed(text))) for text in _PROBES)
-        ratio = _time_ratio(half, lean, _PROBES[2])
+        try:
+            half = LeanBertEncoder(self.model[0].auto_model, self.model.tokenizer, self.model.max_seq_length, torch.bfloat16)
+            cosine = min(float(np.dot(half.embed(text), lean.embed(text))) for text in _PROBES)
+            ratio = _time_ratio(half, lean, _PROBES[2])
+        except Exception as exc:  # a torch build without bf16 kernels: float32 serves
+            log.warning("MiniLM bfloat16 pass failed (%r); using float32", exc)
+            return lean
         self.bf16_check = {"cosine": round(cosine, 6), "time_ratio": round(ratio, 3)}
         if cosine < BF16_MIN_COSINE or (precision == "auto" and ratio > BF16_MAX_TIME_RATIO):
             log.info("MiniLM in float32: bfloat16 cosine %.5f, time x%.2f", cosine, ratio)
