@@ -38,6 +38,12 @@ class Proposer(ABC):
     name: str = "proposer"
     free: bool = False  # True for lookups that cost ~nothing (the planner asks them first)
     takes_hints: bool = False  # drafts from `hint_ids` alone (its state is None without one)
+    # "A new prompt waits for the worker", set by the replica (ModelService._prefill_waiting).
+    # While true, a model drafter's long catch-up waits for a later round (the planner,
+    # target/decoding.py) and a round under way stops drafting (ModelDraft): under load either
+    # held a queued prompt for most of a second (bench load: 0.7-1.7 s of decode steps ahead
+    # of the TTFT misses).
+    prompt_waiting: Callable[[], bool] | None = None
 
     def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> Any:
         """Per-request state (returned to the caller, passed back on every call)."""
@@ -71,11 +77,6 @@ class ModelDraft(Proposer):
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        # Asked before each further draft token: True stops drafting and sends what it has to
-        # verification. The replica sets it to "a new prompt waits for the worker": under load
-        # a round of 8 draft tokens at nice 19 took most of a second, all of it ahead of the
-        # prompt (bench load: 0.7-1.3 s of decode steps ahead of the 2x TTFT misses).
-        self.cut_short: Callable[[], bool] | None = None
 
     def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> _ModelState:
         return _ModelState(self.engine.new_sequence())
@@ -107,8 +108,8 @@ class ModelDraft(Proposer):
                 dists.append(q)
             tokens.append(token)
             if i < k - 1:
-                if self.cut_short is not None and self.cut_short():
-                    break
+                if self.prompt_waiting is not None and self.prompt_waiting():
+                    break  # verify what is drafted; the prompt goes next
                 logits = engine.decode_step(state.seq, token)
         state.tokens = list(context) + tokens[:-1]
         # Each drafted token costs one draft forward pass: k-1 timed here, plus the catch-up

@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from configs.schemas import ModelStageConfig
 from draft.factory import build_proposers
-from draft.proposers import ModelDraft, Proposer
+from draft.proposers import Proposer
 from engines.base import Engine, PassStopped
 from engines.factory import build_engine
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
@@ -113,9 +113,8 @@ class ModelService:
         # FIFO, and a waiter cancelled (client gone) gives up its place; one event loop per replica.
         self._seats = asyncio.Semaphore(self.engine.max_sequences) if self.engine.max_sequences else None
         self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
-        for proposer in self.proposers:  # a round's drafting stops early for a waiting prompt
-            if isinstance(proposer, ModelDraft):
-                proposer.cut_short = self._prefill_waiting
+        for proposer in self.proposers:  # long catch-ups and draft rounds give way to a queued prompt
+            proposer.prompt_waiting = self._prefill_waiting
         self._live: dict[str, Generation] = {}  # request id -> its generation, for late hints
         self._early_hints: OrderedDict[str, list[int]] = OrderedDict()  # late hints that beat their request here
         self.costs: CostModel | None = None
@@ -266,8 +265,7 @@ class ModelService:
             # k adapts to timing: a seeded sample would not repeat. Seeded sampling decodes plainly.
             return None
         spec = self.config.speculative
-        chooser = KChooser(self.costs, enabled=spec.adaptive or spec.fixed_k is not None, fixed_k=spec.fixed_k)
-        return Speculation(self.proposers, chooser, prompt_waiting=self._prefill_waiting)
+        return Speculation(self.proposers, KChooser(self.costs, enabled=spec.adaptive or spec.fixed_k is not None, fixed_k=spec.fixed_k))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream chunks for one request. Cancelling the consumer stops it within one step."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any
 
 from draft.proposers import Proposer
@@ -38,10 +37,6 @@ class Speculation:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [proposed, accepted]
-    # True while a new prompt waits for the worker: a model drafter's long catch-up (its own
-    # prefill of the context, seconds for a RAG prompt under load) waits for a round when it
-    # is false, so the prompt is not held behind it (bench load, 4x: 1.7 s of "steps" ahead).
-    prompt_waiting: Callable[[], bool] | None = None
 
 
 # A catch-up this long is a prefill, not a re-feed of the last few tokens after a rejection.
@@ -171,7 +166,7 @@ class Generation:
                 k, rate = chooser.plan(proposer.name, len(proposal.tokens), free=True)
             else:
                 catch_up = proposer.catch_up(state, self.tokens)
-                if catch_up > HELD_CATCH_UP_TOKENS and self.spec.prompt_waiting is not None and self.spec.prompt_waiting():
+                if catch_up > HELD_CATCH_UP_TOKENS and proposer.prompt_waiting is not None and proposer.prompt_waiting():
                     continue  # not now: a plain step (or a free drafter) this round, the prompt next
                 remaining = self.max_tokens - self.completion_tokens
                 k, rate = chooser.plan(

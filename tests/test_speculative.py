@@ -355,7 +355,8 @@ def test_a_draft_models_long_catch_up_waits_while_a_new_prompt_is_queued(spec_se
         return real(state, context, k, p, rng)
 
     drafter.propose = propose
-    spec = Speculation([drafter], KChooser(spec_service.costs, fixed_k=4), prompt_waiting=lambda: waiting[0])
+    drafter.prompt_waiting = lambda: waiting[0]
+    spec = Speculation([drafter], KChooser(spec_service.costs, fixed_k=4))
 
     def run() -> tuple[list[int], int]:
         gen = Generation(spec_service.engine, GenerateRequest("t", ids, params), spec)
@@ -375,21 +376,26 @@ def test_a_draft_models_long_catch_up_waits_while_a_new_prompt_is_queued(spec_se
 
 
 def test_a_draft_round_stops_drafting_early_for_a_waiting_prompt_and_stays_lossless(spec_service):
-    """ModelDraft.cut_short: while a new prompt waits for the worker, a round sends what it has
-    drafted (one token) to verification instead of drafting all k; greedy output is unchanged.
-    The replica's own drafters are wired to its queue."""
-    assert any(getattr(p, "cut_short", None) == spec_service._prefill_waiting for p in spec_service.proposers)
+    """Proposer.prompt_waiting in ModelDraft: when a new prompt comes while a round drafts, the
+    round sends what it has drafted (one token) to verification instead of drafting all k;
+    greedy output is unchanged. The replica's own drafters are wired to its queue."""
+    assert any(getattr(p, "prompt_waiting", None) == spec_service._prefill_waiting for p in spec_service.proposers)
     tok = spec_service.engine.tokenizer
     params = SamplingParams(max_tokens=24, temperature=0.0)
     ids = _chat_ids(tok, conversations()["chat"][0])
     plain, _ = _decode(spec_service, ids, params, None)
     drafter = ModelDraft(spec_service.draft_engine)
-    drafter.cut_short = lambda: True
+    drafting = [False]  # the prompt comes once the round has begun (so no catch-up is held)
+    drafter.prompt_waiting = lambda: drafting[0]
     sizes: list[int] = []
     real = drafter.propose
 
     def propose(state, context, k, p, rng):
-        proposal = real(state, context, k, p, rng)
+        drafting[0] = True
+        try:
+            proposal = real(state, context, k, p, rng)
+        finally:
+            drafting[0] = False
         sizes.append(len(proposal.tokens))
         return proposal
 
