@@ -117,6 +117,11 @@ class EngineConfig(_Strict):
         "GGUF requantized to this type, made once under cache_dir, and hand its KV back. llama.cpp has no batched "
         "kernels for Q4_1 on x86: ~5.5 ms/token against ~2.6 for q8_0, whose single-token decode is ~20% slower"
     )
+    cpu_repack: Literal["auto", "on", "off"] = Field(
+        "auto", description="llama_cpp: ggml's extra CPU buffer types (weights repacked for AMX / wide SIMD "
+        "kernels). auto: off on CPUs with AMX, where the bundled llama.cpp's AMX matmul crashed the replica "
+        "(SIGSEGV in ggml_backend_amx_mul_mat on the first prompt), on elsewhere",
+    )
     nice: int = Field(
         0, ge=0, le=19, description="OS niceness level of the model replica's compute threads, absolute (Ray "
         "starts every worker at RAY_worker_niceness, 15 by default; a lower level is left as it is): above the "
@@ -134,6 +139,8 @@ class EngineConfig(_Strict):
     def _prefill_quant_is_llama_cpp(self) -> "EngineConfig":
         if self.prefill_quant is not None and self.kind != "llama_cpp":
             raise ValueError(f"prefill_quant is a llama_cpp setting; this engine is kind: {self.kind}")
+        if self.cpu_repack != "auto" and self.kind != "llama_cpp":
+            raise ValueError(f"cpu_repack is a llama_cpp setting; this engine is kind: {self.kind}")
         return self
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +36,37 @@ from engines.model_store import package_dir, requantized_gguf, resolve_model_dir
 log = logging.getLogger(__name__)
 
 PREFILL_MIN_TOKENS = 16  # shorter runs: the KV copies would cost more than the faster kernels save
+
+
+def cpu_has_amx() -> bool:
+    """Intel AMX tiles (Sapphire Rapids and later), from the kernel's CPU flags."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+@contextmanager
+def _extra_buffer_types(enabled: bool) -> Iterator[None]:
+    """Load a model with or without ggml's extra CPU buffer types. `Llama()` takes no argument
+    for llama.cpp's `use_extra_bufts`, so its model-parameter defaults are swapped meanwhile."""
+    if enabled:
+        yield
+        return
+    import llama_cpp.llama_cpp as lib
+
+    defaults = lib.llama_model_default_params
+
+    def without() -> lib.llama_model_params:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = without
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = defaults
 
 
 @dataclass
@@ -56,17 +89,22 @@ class LlamaCppEngine(Engine):
         # The HF tokenizer converted from the same GGUF: same ids, and it detokenizes for streaming.
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(source, config.cache_dir))
         self.max_model_len = config.max_model_len
+        repack = config.cpu_repack == "on" or (config.cpu_repack == "auto" and not cpu_has_amx())
+        if not repack:
+            log.info("%s: llama.cpp's extra CPU buffer types off (cpu_repack: %s)", config.model_id, config.cpu_repack)
+
         def context(path: str) -> Llama:
-            return Llama(
-                model_path=path,
-                n_ctx=config.max_model_len,
-                n_batch=256,
-                n_threads=config.num_threads,
-                n_threads_batch=config.num_threads,
-                logits_all=False,
-                use_mmap=True,
-                verbose=False,
-            )
+            with _extra_buffer_types(repack):
+                return Llama(
+                    model_path=path,
+                    n_ctx=config.max_model_len,
+                    n_batch=256,
+                    n_threads=config.num_threads,
+                    n_threads_batch=config.num_threads,
+                    logits_all=False,
+                    use_mmap=True,
+                    verbose=False,
+                )
 
         self.cores = CoreShare(config.num_threads, config.share_cores)
         self._threads: dict[int, int] = {}  # context id -> the threads it was last set to

@@ -110,6 +110,10 @@ def test_speculation_knobs_that_would_silently_do_nothing_are_rejected():
     quant["target"]["engine"]["prefill_quant"] = "q8_0"  # a transformers engine: it would do nothing
     with pytest.raises(ValidationError, match="llama_cpp setting"):
         AppArgs.model_validate(quant)
+    repack = copy.deepcopy(base)
+    repack["target"]["engine"]["cpu_repack"] = "off"
+    with pytest.raises(ValidationError, match="cpu_repack is a llama_cpp setting"):
+        AppArgs.model_validate(repack)
 
 
 def test_served_model_ids_must_exist():

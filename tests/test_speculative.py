@@ -403,3 +403,21 @@ def test_a_draft_round_stops_drafting_early_for_a_waiting_prompt_and_stays_lossl
     fast, _ = _decode(spec_service, ids, params, Speculation([drafter], KChooser(spec_service.costs, fixed_k=6)))
     assert sizes and set(sizes) == {1}, sizes
     assert fast == plain
+
+
+def test_cpu_repack_off_loads_without_extra_buffer_types_and_the_engine_runs(serve_file):
+    """`cpu_repack` (auto: off on AMX CPUs, where the bundled llama.cpp's AMX matmul crashed the
+    replica): models load with `use_extra_bufts` off, the defaults are restored after, and the
+    engine still prefills and decodes."""
+    import llama_cpp.llama_cpp as lib
+
+    from engines.llamacpp_engine import LlamaCppEngine, _extra_buffer_types
+
+    with _extra_buffer_types(False):
+        assert lib.llama_model_default_params().use_extra_bufts is False
+    assert lib.llama_model_default_params().use_extra_bufts is True
+    engine = LlamaCppEngine(_llama_config(serve_file).model_copy(update={"max_sequences": 1, "cpu_repack": "off"}))
+    seq = engine.new_sequence()
+    logits = engine.prefill(seq, engine.tokenizer.encode("The capital of France is"))
+    assert engine.tokenizer.decode([int(torch.argmax(logits))]).strip() == "Paris"
+    engine.release(seq)
