@@ -33,8 +33,9 @@ from pathlib import Path
 import httpx
 
 from bench.stack import CONTEXT, QUESTIONS
-from bench.stats import percentile, server_timing
+from bench.stats import percentile, server_timing, server_timing_count
 from bench.workloads import CODE, DOCS, RAG_QUESTIONS
+from engines.types import ENGINE_QUEUE_COUNTS
 
 INTERACTIVE_DEADLINE_MS = 15_000
 BATCH_DEADLINE_MS = 30_000
@@ -212,7 +213,9 @@ def _calibration(admitted: list[Outcome]) -> dict:
         "ttft_measured_over_predicted_p95": round(percentile(ratios, 0.95), 2) if ratios else None,
         "ttft_slo_misses": [
             {"measured_ms": round(o.ttft_ms), "predicted_ms": round(o.predicted_ttft_ms), "route": o.route,
-             "server": server_timing(o.server_timing)}
+             "server": server_timing(o.server_timing),
+             "jobs_ahead": {key.removeprefix("engine_queue_"): server_timing_count(o.server_timing, key)
+                            for key in ENGINE_QUEUE_COUNTS}}
             for o in judged if o.ttft_ms > TTFT_SLO_MS
         ],
     }

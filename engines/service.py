@@ -44,8 +44,8 @@ from draft.factory import build_proposers
 from draft.proposers import Proposer
 from engines.base import Engine, PassStopped
 from engines.factory import build_engine
-from engines.types import GenerateChunk, GenerateRequest, SamplingParams
-from engines.worker_clock import WorkerClock
+from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest, SamplingParams
+from engines.worker_clock import Mark, WorkerClock
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
 from target.step_mode import StepModeChooser
@@ -410,7 +410,7 @@ class ModelService:
                 return
         start = time.perf_counter()
         try:
-            with self.worker_clock.job("steps"):
+            with self.worker_clock.job("steps", len(gens)):
                 results: list = [gens[0].step()] if len(gens) == 1 else Generation.step_batch(gens)
         except Exception as exc:  # never strand a waiting request
             results = [exc] * len(gens)
@@ -457,9 +457,10 @@ class ModelService:
         self.stats.max_cancel_rounds_after = max(self.stats.max_cancel_rounds_after, after)
         self.stats.last_cancel_free_ms = round((time.perf_counter() - cancelled_at) * 1000)
 
-    def _timed_prefill(self, gen: Generation, enqueued: float, mark: dict[str, float]) -> GenerateChunk | None:
+    def _timed_prefill(self, gen: Generation, enqueued: float, mark: Mark) -> GenerateChunk | None:
         queue_ms = (time.perf_counter() - enqueued) * 1000
         ahead_ms = self.worker_clock.since(mark)
+        jobs = self.worker_clock.jobs_since(mark)
         overlap_s = gen.request.lookup_overlap_ms / 1000
         if overlap_s:
             self.stats.prefills_beside_lookup += 1
@@ -483,6 +484,9 @@ class ModelService:
         chunk.timings_ms["engine_queue"] = queue_ms
         for kind, ms in ahead_ms.items():  # the worker's time on others' work while this one waited
             chunk.timings_ms[f"engine_queue.{kind}"] = ms
+        if jobs.jobs:  # how many jobs that was, and the longest (whole): one slow pass, or many
+            values = (jobs.jobs, round(jobs.longest_ms, 1), jobs.longest_seqs, round(jobs.longest_cpu, 2))
+            chunk.timings_ms.update(zip(ENGINE_QUEUE_COUNTS, map(float, values)))
         return chunk
 
     def _stop_prefill(self, gen: Generation) -> None:

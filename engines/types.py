@@ -11,6 +11,11 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# Counts a prompt's first chunk carries beside its engine_queue ms (engines/worker_clock.py):
+# the worker's jobs that ran while it queued, and the longest one (ms, sequences, CPU per second).
+ENGINE_QUEUE_COUNTS = ("engine_queue_jobs", "engine_queue_longest_ms", "engine_queue_longest_seqs",
+                       "engine_queue_longest_cpu")
+
 
 @dataclass(slots=True)
 class SamplingParams:

@@ -45,7 +45,7 @@ from admission.budget import trim_conversation
 from admission.gate import AdmissionGate, Ticket
 from admission.policy import AdmissionPolicy, Mode
 from configs.schemas import AppArgs, TierConfig
-from engines.types import GenerateChunk, GenerateRequest, SamplingParams
+from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest, SamplingParams
 from ingress.coalescing import Flights
 from ingress.context import RequestContext, context_from_headers
 from ingress.errors import APIError, bad_request, describe
@@ -575,6 +575,9 @@ class Pipeline:
             clock.stage_parts([("engine_queue", p.engine_queue_ms), ("prefill", p.prefill_ms or 0.0)], "hop", first_at)
             # What the model's worker ran while this prompt waited: others' prefills, decode steps.
             clock.details_in_stage("engine_queue", [(k, ms) for k, ms in first.timings_ms.items() if k.startswith("engine_queue.")])
+            for key in ENGINE_QUEUE_COUNTS:  # how many jobs that was, and the longest one
+                if key in first.timings_ms:
+                    clock.counts[key] = first.timings_ms[key]
             if "prefix_reused_tokens" in first.timings_ms:
                 clock.counts["prefix_reused_tokens"] = first.timings_ms["prefix_reused_tokens"]
             ttft_ms = (first_at - clock.start) * 1000

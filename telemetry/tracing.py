@@ -21,6 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from configs.schemas import TracingConfig
+from engines.types import ENGINE_QUEUE_COUNTS
 from telemetry.clock import StageClock
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,9 @@ class ModelCallTrace:
         # What ran ahead on the model's worker while this prompt queued (engines/worker_clock.py).
         self.queue_ahead = {f"engine.queue.{k.split('.', 1)[1]}_ms": round(ms, 1)
                             for k, ms in timings_ms.items() if k.startswith("engine_queue.")}
+        for key in ENGINE_QUEUE_COUNTS:  # engine_queue_longest_ms -> engine.queue.longest_ms
+            if key in timings_ms:
+                self.queue_ahead["engine.queue." + key.removeprefix("engine_queue_")] = timings_ms[key]
 
     def last_chunk(self) -> None:
         """The final chunk is made. The generator resumes after the caller already has it (and

@@ -823,3 +823,9 @@ def test_a_prompts_engine_queue_splits_into_the_prefills_and_steps_that_ran_ahea
         assert t["engine_queue.steps"] + t["engine_queue.prefills"] <= t["engine_queue"] + 5, t
     assert one.timings_ms["engine_queue.prefills"] == 0.0, one.timings_ms
     assert two.timings_ms["engine_queue.prefills"] >= 0.9 * one.timings_ms["prefill"] - 2, (one.timings_ms, two.timings_ms)
+    # The jobs that ran ahead, and the longest one whole (the step, 0.5 s, though 0.1 s ran before).
+    assert one.timings_ms["engine_queue_jobs"] == 1.0 and two.timings_ms["engine_queue_jobs"] == 2.0, (one.timings_ms, two.timings_ms)
+    for chunk in (one, two):
+        assert 480 <= chunk.timings_ms["engine_queue_longest_ms"] <= 600, chunk.timings_ms
+        assert chunk.timings_ms["engine_queue_longest_seqs"] == 1.0
+        assert chunk.timings_ms["engine_queue_longest_cpu"] < 0.5, chunk.timings_ms  # it slept: no CPU
