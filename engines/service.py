@@ -24,8 +24,9 @@ three steps, which beside a busy target took ~200 ms each (bench load: 0.5-0.8 s
 `engine_queue`, the only TTFT misses of a run at 4x capacity). There, a prefill goes ahead of
 the decode steps queued before it; the step in progress still finishes. Each deferred step
 keeps its place in the round and is deferred once at most. With batching, a queued pass lets a
-waiting prompt go first (once), a drafter's long catch-up waits for a round, and a draft round
-under way stops drafting: a new prompt waits for at most the job in progress.
+waiting prompt go first (once), a drafter's long catch-up waits for a round (one under way
+stops at its next 64-token chunk), and a draft round under way stops drafting: a new prompt
+waits for at most the job in progress, and that job for at most a chunk of drafting.
 """
 
 from __future__ import annotations
@@ -436,8 +437,12 @@ class ModelService:
             if index and self._prefill_waiting():
                 with self._pending_lock:  # the rest keep their place at the front, behind the prefill
                     self._pending = [*waiting[index:], *self._pending]
-                    self._batch_scheduled = True
-                self.executor.submit(self._run_batch, loop, True)  # deferred once already
+                    # One runner at most: the requests answered meanwhile may have scheduled it.
+                    # A second one ran a turn ahead of each later prompt, and they multiplied with
+                    # every cut (bench load, 4x: 9-17 jobs ahead of prompts that missed their TTFT).
+                    schedule, self._batch_scheduled = not self._batch_scheduled, True
+                if schedule:
+                    self.executor.submit(self._run_batch, loop, True)  # deferred once already
                 return
             if done.cancelled():
                 continue  # its client left: no step

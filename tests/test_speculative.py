@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -403,6 +405,77 @@ def test_a_draft_round_stops_drafting_early_for_a_waiting_prompt_and_stays_lossl
     fast, _ = _decode(spec_service, ids, params, Speculation([drafter], KChooser(spec_service.costs, fixed_k=6)))
     assert sizes and set(sizes) == {1}, sizes
     assert fast == plain
+
+
+def test_a_draft_models_catch_up_stops_between_chunks_for_a_waiting_prompt_and_goes_on_later(spec_service):
+    """ModelDraft feeds a long context in CATCH_UP_CHUNK-token chunks and looks for a waiting
+    prompt between them: with one waiting, the round gets no draft (a plain step) after one
+    chunk, the draft keeps what it was fed, and the next round goes on from there and drafts
+    what an unbroken catch-up would have."""
+    chunk = ModelDraft.CATCH_UP_CHUNK
+    ids = _chat_ids(spec_service.engine.tokenizer, conversations()["rag"][0])
+    assert len(ids) >= 2 * chunk, len(ids)  # else it runs whole
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    whole = ModelDraft(spec_service.draft_engine)
+    state = whole.begin(ids)
+    expected = whole.propose(state, ids, 4, params, None).tokens
+    whole.end(state)
+
+    chunked = ModelDraft(spec_service.draft_engine)
+    waiting = [True]
+    chunked.prompt_waiting = lambda: waiting[0]
+    state = chunked.begin(ids)
+    assert chunked.propose(state, ids, 4, params, None).tokens == []
+    assert state.tokens == ids[:chunk] and chunked.catch_up(state, ids) == len(ids) - chunk
+    waiting[0] = False
+    resumed = chunked.propose(state, ids, 4, params, None).tokens
+    chunked.end(state)
+    assert len(resumed) == 4 and sum(a == b for a, b in zip(resumed, expected)) >= 3, (resumed, expected)
+
+
+def test_turns_that_give_way_to_a_prompt_leave_one_batch_runner_queued(spec_service):
+    """ModelService._run_turns: when a waiting prompt cuts a round of turns short, the rest go
+    to the one batch runner. A second runner queued beside one already there (the requests
+    answered meanwhile had scheduled it) ran a turn ahead of each later prompt, and the runners
+    grew with every cut: bench load at 4x saw 9-17 jobs ahead of prompts that missed their TTFT."""
+    service = spec_service
+    queued, most, deferred_runs = [0], [0], [0]
+    submit, run_batch = service.executor.submit, service._run_batch
+
+    def counted(loop, deferred=False):
+        queued[0] -= 1
+        deferred_runs[0] += deferred
+        return run_batch(loop, deferred)
+
+    def watch(fn, *args):
+        if fn == service._run_batch:
+            queued[0] += 1
+            most[0] = max(most[0], queued[0])
+            fn = counted
+        return submit(fn, *args)
+
+    tok = service.engine.tokenizer
+    conv = conversations()["chat"]
+
+    async def run(request_id: str, ids: list[int], max_tokens: int) -> None:
+        async for _ in service.generate(GenerateRequest(request_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))):
+            pass
+
+    async def scenario() -> None:
+        long = [asyncio.create_task(run(f"long{i}", _chat_ids(tok, conv[i % len(conv)]), 48)) for i in range(3)]
+        await asyncio.sleep(0.8)  # all three decoding, a turn each
+        for j in range(6):
+            await run(f"prompt{j}", tok.encode(f"Question {j}: name a colour."), 1)
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*long)
+
+    service.executor.submit, service.step_mode.batch = watch, lambda *args: False
+    try:
+        asyncio.run(scenario())
+    finally:
+        del service.executor.submit, service.step_mode.batch
+    assert deferred_runs[0] >= 1  # turns did give way to a prompt
+    assert most[0] == 1, most[0]
 
 
 def test_cpu_repack_off_loads_without_extra_buffer_types_and_the_engine_runs(serve_file):
