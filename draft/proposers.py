@@ -122,7 +122,8 @@ class ModelDraft(Proposer):
     def catch_up(self, state: _ModelState, context: list[int]) -> int:
         return len(context) - _common_prefix(state.tokens, context)
 
-    CATCH_UP_CHUNK = 64  # tokens a catch-up runs between two looks for a waiting prompt
+    CATCH_UP_CHUNK = 64  # tokens a catch-up runs between two looks for a waiting prompt (a tail
+    # shorter than two chunks runs whole: at most 127 tokens between looks)
 
     def _catch_up(self, state: _ModelState, context: list[int], common: int) -> torch.Tensor | None:
         """Feed the draft `context[common:]` in chunks; None when a prompt started waiting for

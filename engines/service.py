@@ -45,7 +45,7 @@ from draft.factory import build_proposers
 from draft.proposers import Proposer
 from engines.base import Engine, PassStopped
 from engines.factory import build_engine
-from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest, SamplingParams
+from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from engines.worker_clock import Mark, WorkerClock
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
@@ -489,9 +489,7 @@ class ModelService:
         chunk.timings_ms["engine_queue"] = queue_ms
         for kind, ms in ahead_ms.items():  # the worker's time on others' work while this one waited
             chunk.timings_ms[f"engine_queue.{kind}"] = ms
-        if jobs.jobs:  # how many jobs that was, and the longest (whole): one slow pass, or many
-            values = (jobs.jobs, round(jobs.longest_ms, 1), jobs.longest_seqs, round(jobs.longest_cpu, 2))
-            chunk.timings_ms.update(zip(ENGINE_QUEUE_COUNTS, map(float, values)))
+        chunk.timings_ms.update(jobs.timings())  # how many jobs that was, and the longest: one slow pass, or many
         return chunk
 
     def _stop_prefill(self, gen: Generation) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from engines.types import ENGINE_QUEUE_COUNTS
+
 log = logging.getLogger(__name__)
 
 KINDS = ("prefills", "steps")
@@ -35,6 +37,13 @@ class JobsAhead:
     longest_ms: float  # the longest of them, whole
     longest_seqs: int  # sequences in that job (a batched pass holds several)
     longest_cpu: float  # the process's CPU seconds per wall second during it (~threads when not starved)
+
+    def timings(self) -> dict[str, float]:
+        """As the first chunk carries them (engines/types.py:ENGINE_QUEUE_COUNTS); none if no job ran."""
+        if not self.jobs:
+            return {}
+        values = (self.jobs, round(self.longest_ms, 1), self.longest_seqs, round(self.longest_cpu, 2))
+        return dict(zip(ENGINE_QUEUE_COUNTS, map(float, values), strict=True))
 
 
 class WorkerClock:
