@@ -153,6 +153,13 @@ def _interleaved(
     return merged
 
 
+def _lookup_windows(app_name: str) -> dict[str, int]:
+    from ray import serve
+
+    stats = serve.get_deployment_handle("TargetModel", app_name=app_name).stats.remote().result(timeout_s=30)
+    return {"beside_lookup": stats["prefills_beside_lookup"], "signalled": stats["lookup_windows_signalled"]}
+
+
 def run(
     requests: int = 40, max_tokens: int = 24, quick: bool = False, out: str | None = None,
     rounds: int = 6, block: int = 8, clients: int = 4,
@@ -195,6 +202,7 @@ def run(
             }, engine, measured, model, max_tokens)
             stack, bare, proxied = sets["stack"], sets["bare"], sets["proxied"]
             engine_ttft, engine_itl = sets["engine"]["ttft"], sets["engine"]["itl"]
+            windows = _lookup_windows(serve_file.app_name)
         engine.close()
 
         def traced(args) -> None:
@@ -229,6 +237,9 @@ def run(
         # Server-Timing p50 per stage: stages add up to `total` (the server's time to the first
         # token); `x.y` entries are details inside stage x, not added.
         "stages": {name: p50(v) for name, v in stack["stages"].items()},
+        # Prefills started beside the lookup, and the windows (one core left to it) that the
+        # lookup board ended rather than the ingress's estimate (engines/lookup_signal.py).
+        "lookup_windows": windows,
         "cache_outcomes": stack["outcomes"],
         # Cache-Control: no-cache: the stack without the cache lookup (its hops and the embedding).
         "ttft_overhead_p50_ms_without_cache": round(p50(bare["ttft"]) - p50(engine_ttft), 2),

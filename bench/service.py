@@ -78,9 +78,6 @@ def running_service_urls(
     args = serve_file.args.model_copy(deep=True)
     if tweak:
         tweak(args)
-    if args.ingress.direct_port is not None:
-        args.ingress.direct_host, args.ingress.direct_port = "127.0.0.1", free_port()
-    port = free_port()
     ray.init(
         num_cpus=8,  # logical CPUs: with the 2 real ones Ray can't place every replica and hangs
         include_dashboard=False,
@@ -88,6 +85,11 @@ def running_service_urls(
         logging_level="WARNING",
     )
     try:
+        # Picked once Ray is up: its processes bind ephemeral ports as they start, and one took
+        # a port picked before ray.init (the proxy then failed to bind).
+        if args.ingress.direct_port is not None:
+            args.ingress.direct_host, args.ingress.direct_port = "127.0.0.1", free_port()
+        port = free_port()
         logging_config = quiet_logging(serve_file)
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=logging_config)
         serve.run(

@@ -45,6 +45,7 @@ from draft.factory import build_proposers
 from draft.proposers import Proposer
 from engines.base import Engine, PassStopped
 from engines.factory import build_engine
+from engines.lookup_signal import LookupBoard
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from engines.worker_clock import Mark, WorkerClock
 from target.adaptive import CostModel, KChooser
@@ -53,6 +54,9 @@ from target.step_mode import StepModeChooser
 
 log = logging.getLogger(__name__)
 
+# With the lookup board ending the window, the ingress's estimate only stops a window whose
+# signal never comes: later than the estimate, so a slow lookup keeps its core.
+SIGNALLED_BACKSTOP = 2.0
 _WARMUP_TEXT = "Warm up the engine with a short prompt about the weather in a city by the sea."
 
 
@@ -80,6 +84,7 @@ class EngineStats:
         self.last_cancel_free_ms = 0
         self.seat_waits = 0  # requests that waited for a free sequence slot (engine.max_sequences)
         self.prefills_beside_lookup = 0  # started beside the ingress's cache lookup (lookup_overlap_ms)
+        self.lookup_windows_signalled = 0  # of those, one-core windows the lookup board ended (same node)
         self.prefills_stopped = 0  # cancelled midway (a cache hit beside it, a client gone): the rest not computed
 
     def as_dict(self) -> dict[str, int]:
@@ -98,6 +103,7 @@ class ModelService:
         self.stats = EngineStats()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{config.engine.model_id}")
         self.worker_clock = WorkerClock()  # splits a prompt's engine_queue into what ran ahead of it
+        self.lookup_board = LookupBoard()  # the cache's finished lookups, on this node
         # Batching needs an engine that can decode several sequences in one pass.
         self.max_batch = config.engine.max_batch_size if hasattr(self.engine, "decode_batch") else 1
         self._pending: list[tuple[Generation, asyncio.Future]] = []  # decode steps waiting for the worker
@@ -272,6 +278,8 @@ class ModelService:
         """Stream chunks for one request. Cancelling the consumer stops it within one step."""
         loop = asyncio.get_running_loop()
         enqueued = time.perf_counter()
+        # From the ingress's send to here, on one clock where both share a node (else skewed).
+        hop_in_ms = (time.time() - request.sent_unix) * 1000 if request.sent_unix else None
         self.stats.requests_started += 1
         self.stats.active += 1
         gen: Generation | None = None
@@ -295,6 +303,8 @@ class ModelService:
             self._prefill_jobs.add(job)
             job.add_done_callback(self._prefill_jobs.discard)
             chunk = await asyncio.wrap_future(job, loop=loop)  # cancelled before it runs: dropped
+            if hop_in_ms is not None:
+                chunk.timings_ms["hop_in"] = max(0.0, hop_in_ms)
             self._decoding += 1
             decoding = True
             while True:
@@ -467,11 +477,17 @@ class ModelService:
         ahead_ms = self.worker_clock.since(mark)
         jobs = self.worker_clock.jobs_since(mark)
         overlap_s = gen.request.lookup_overlap_ms / 1000
+        held = False  # a window leaving a core to the lookup, kept by this engine
         if overlap_s:
             self.stats.prefills_beside_lookup += 1
             # The ingress's cache lookup embeds beside this prefill (it started the model before
-            # the lookup came back): both on two cores beat either waiting for the other.
-            gen.engine.leave_one_core(enqueued + overlap_s)
+            # the lookup came back): both on two cores beat either waiting for the other. Where
+            # the board has ended windows before (the cache is on this node), it ends this one
+            # too, and the estimate is only a backstop.
+            ended = self.lookup_board.watch(gen.request.lookup_id) if gen.request.lookup_id else None
+            backstop = SIGNALLED_BACKSTOP if ended is not None and self.stats.lookup_windows_signalled else 1.0
+            held = gen.engine.leave_one_core(enqueued + overlap_s * backstop, ended)
+            started = time.perf_counter()
         with self._prefilling_lock:
             self._prefilling = gen
         try:
@@ -485,7 +501,12 @@ class ModelService:
                 self._prefilling = None
                 gen.engine.stop_pass(False)
             if overlap_s:
+                released = gen.engine.one_core_released
                 gen.engine.leave_one_core(0.0)
+        if held:  # how long the prefill kept to one thread, and what ended that
+            chunk.timings_ms["prefill.one_core"] = ((released[0] if released else time.perf_counter()) - started) * 1000
+            if released is not None and released[1] == "signal":
+                self.stats.lookup_windows_signalled += 1
         chunk.timings_ms["engine_queue"] = queue_ms
         for kind, ms in ahead_ms.items():  # the worker's time on others' work while this one waited
             chunk.timings_ms[f"engine_queue.{kind}"] = ms

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -37,13 +38,17 @@ class TransformersEngine(Engine):
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         pc = config.prefix_cache
         self.prefix_cache = PrefixCache(pc.block_size, pc.max_mb << 20) if pc.enabled else None
-        # A pass that leaves a core free until a moment goes back to all its threads at the next
-        # decoder layer after it (one check per layer: ~1 us).
+        # A pass that leaves a core free until a moment (or until `ended` says so) goes back to
+        # all its threads at the next check after it: before each decoder layer and before its
+        # MLP (~2.5 ms apart in a 2-thread prefill; a check is ~1 us).
         self._one_core_until = 0.0
+        self._one_core_ended: Callable[[], bool] | None = None
         self._pass_threads = config.num_threads
         self._stop = False  # set from the event loop's thread: the pass under way ends at its next layer
         for layer in getattr(self.model.get_decoder(), "layers", []):
             layer.register_forward_pre_hook(self._layer_threads)
+            if isinstance(getattr(layer, "mlp", None), torch.nn.Module):
+                layer.mlp.register_forward_pre_hook(self._window_check)
         self.load_seconds = time.monotonic() - start
         log.info("%s loaded from %s in %.1f s (%s)", self.model_id, model_dir, self.load_seconds, config.dtype)
 
@@ -123,8 +128,11 @@ class TransformersEngine(Engine):
             seq.kv.crop(length - seq.length)  # transformers 5.x: a negative count of tokens to drop
             seq.length = length
 
-    def leave_one_core(self, until: float) -> None:
+    def leave_one_core(self, until: float, ended: Callable[[], bool] | None = None) -> bool:
         self._one_core_until = until
+        self._one_core_ended = ended
+        self.one_core_released = None
+        return True
 
     def stop_pass(self, stop: bool) -> None:
         self._stop = stop
@@ -132,18 +140,29 @@ class TransformersEngine(Engine):
     def _pick_threads(self) -> None:
         """On the thread that runs the pass: torch's thread count is that thread's setting."""
         self._pass_threads = self.cores.threads()
-        if self._one_core_until and time.perf_counter() >= self._one_core_until:
-            self._one_core_until = 0.0
+        self._window_check()
         self._set_threads(1 if self._one_core_until else self._pass_threads)
 
     def _layer_threads(self, module, args) -> None:
-        """Before each decoder layer: stop if asked to; the moment to leave a core free has
-        passed, take it back."""
+        """Before each decoder layer: stop if asked to; the window to leave a core free is
+        over, take it back."""
         if self._stop:
             raise PassStopped
-        if self._one_core_until and time.perf_counter() >= self._one_core_until:
-            self._one_core_until = 0.0
-            self._set_threads(self._pass_threads)
+        self._window_check()
+
+    def _window_check(self, *hook_args) -> None:
+        if not self._one_core_until:
+            return
+        now = time.perf_counter()
+        if now >= self._one_core_until:
+            why = "estimate"
+        elif self._one_core_ended is not None and self._one_core_ended():
+            why = "signal"
+        else:
+            return
+        self._one_core_until = 0.0
+        self.one_core_released = (now, why)
+        self._set_threads(self._pass_threads)
 
     def _set_threads(self, threads: int) -> None:
         if threads != self._threads:

@@ -45,6 +45,7 @@ from admission.budget import trim_conversation
 from admission.gate import AdmissionGate, Ticket
 from admission.policy import AdmissionPolicy, Mode
 from configs.schemas import AppArgs, TierConfig
+from engines.lookup_signal import lookup_id
 from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest, SamplingParams
 from ingress.coalescing import Flights
 from ingress.context import RequestContext, context_from_headers
@@ -542,6 +543,8 @@ class Pipeline:
                 generate.trace = p.trace.start_model_call(decision.model_id)
             if lookup is not None:  # the model starts beside the lookup (overlap_cache_lookup)
                 generate.lookup_overlap_ms = round(self.lookup_embed_ms, 1)
+                generate.lookup_id = lookup_id(p.cache_key)  # the cache marks it done on its node
+            generate.sent_unix = time.time()
             stream = self._start(decision.model_id, generate, p)
             if not p.coalesced:  # a follower adds no load to the model
                 self.load.started(decision.model_id)
@@ -573,8 +576,17 @@ class Pipeline:
             p.engine_queue_ms = first.timings_ms.get("engine_queue", 0.0)
             p.prefill_ms = first.timings_ms.get("prefill")
             clock.stage_parts([("engine_queue", p.engine_queue_ms), ("prefill", p.prefill_ms or 0.0)], "hop", first_at)
+            shown = clock.ms("prefill") or 0.0
+            if p.prefill_ms and shown < p.prefill_ms - 0.05:
+                # Begun beside the lookup, the prefill shows only its part after it (stages are
+                # consecutive); the replica's whole measurement goes alongside.
+                clock.details_in_stage("prefill", [("prefill.whole", p.prefill_ms)])
             # What the model's worker ran while this prompt waited: others' prefills, decode steps.
             clock.details_in_stage("engine_queue", [(k, ms) for k, ms in first.timings_ms.items() if k.startswith("engine_queue.")])
+            if "hop_in" in first.timings_ms:  # of the hop: the way to the replica (the rest is the way back)
+                clock.details_in_stage("hop", [("hop.in", first.timings_ms["hop_in"])])
+            if "prefill.one_core" in first.timings_ms:  # beside the lookup: how long it left a core to it
+                clock.details_in_stage("prefill", [("prefill.one_core", first.timings_ms["prefill.one_core"])])
             for key in ENGINE_QUEUE_COUNTS:  # how many jobs that was, and the longest one
                 if key in first.timings_ms:
                     clock.counts[key] = first.timings_ms[key]

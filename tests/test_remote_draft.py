@@ -117,6 +117,8 @@ def test_a_near_miss_follows_a_request_that_started_before_the_lookup_returned(r
     assert after["hint_tokens_accepted"] > before["hint_tokens_accepted"], after
     # Its prefill left a core to the lookup's embedding (GenerateRequest.lookup_overlap_ms).
     assert after["prefills_beside_lookup"] > before["prefills_beside_lookup"], after
+    assert "prefill.one_core" in stages, "how long it left the core is in Server-Timing"
+    assert "hop.in" in stages, "the way to the replica is timed"
     plain = ask("What is 15% of 300?", NO_CACHE)
     assert hinted.parse().choices[0].message.content == plain.parse().choices[0].message.content
 

@@ -190,6 +190,7 @@ def test_a_prefill_beside_the_cache_lookup_leaves_a_core_free_until_the_moment_t
     seen: list[int] = []
     layers = engine.model.get_decoder().layers
     moment_passes_at: list[int | None] = [None]
+    released: list[tuple[float, str] | None] = [None]
 
     def record(module, args) -> None:
         index = len(seen)
@@ -201,14 +202,15 @@ def test_a_prefill_beside_the_cache_lookup_leaves_a_core_free_until_the_moment_t
         layer.register_forward_pre_hook(record)  # after the engine's own hook: sees its choice
     ids = _prompt(engine)
 
-    def prefill(until: float, passes_at: int | None = None) -> torch.Tensor:
+    def prefill(until: float, passes_at: int | None = None, ended=None) -> torch.Tensor:
         seen.clear()
         moment_passes_at[0] = passes_at
-        engine.leave_one_core(until)
+        assert engine.leave_one_core(until, ended)
         seq = engine.new_sequence()
         try:
             return engine.prefill(seq, ids)
         finally:
+            released[0] = engine.one_core_released  # (when, why) it took the core back
             engine.leave_one_core(0.0)
             engine.release(seq)
 
@@ -218,8 +220,42 @@ def test_a_prefill_beside_the_cache_lookup_leaves_a_core_free_until_the_moment_t
     assert set(seen) == {1}, seen
     switched = prefill(time.perf_counter() + 600, passes_at=4)
     assert seen[:5] == [1] * 5 and set(seen[5:]) == {2}, seen
-    assert torch.allclose(held, plain, atol=1e-4) and torch.allclose(switched, plain, atol=1e-4)
+    assert released[0][1] == "estimate"
+    # The lookup board says the lookup is over (here: once three layers have started): the core
+    # comes back before the next layer, at the third layer's MLP.
+    signalled = prefill(time.perf_counter() + 600, ended=lambda: len(seen) >= 3)
+    assert seen[:3] == [1] * 3 and set(seen[3:]) == {2}, seen
+    assert released[0][1] == "signal"
+    for logits in (held, switched, signalled):
+        assert torch.allclose(logits, plain, atol=1e-4)
     assert prefill(0.0) is not None and set(seen) == {2}, "the window ends with its pass"
+
+
+def test_the_lookup_board_tells_another_process_which_lookups_are_over(tmp_path):
+    """The SemanticCache replica marks a finished lookup; a model replica (another process on
+    the node) watching that lookup's id sees it, and no other id."""
+    import subprocess
+    import sys
+
+    from engines.lookup_signal import SLOTS, LookupBoard, lookup_id
+
+    path = str(tmp_path / "board")
+    key, other = "ab" * 32, "cd" * 32
+    watcher = LookupBoard(path)
+    over, other_over = watcher.watch(lookup_id(key)), watcher.watch(lookup_id(other))
+    assert watcher.ok and not over() and not other_over()
+    subprocess.run(
+        [sys.executable, "-c", f"from engines.lookup_signal import LookupBoard; LookupBoard({path!r}).mark({key!r})"],
+        check=True, timeout=60,
+    )
+    assert over() and not other_over()
+    writer = LookupBoard(path)  # a ring: an old id is gone once every slot was written since
+    for i in range(SLOTS):
+        writer.mark(f"{i + 1:016x}" + "0" * 48)
+    assert not over()
+    unmapped = LookupBoard(str(tmp_path))  # a directory: no board, the estimate ends windows
+    assert not unmapped.ok and unmapped.watch(lookup_id(key)) is None
+    unmapped.mark(key)
 
 
 def test_a_cancelled_request_stops_its_prefill_midway_and_the_next_one_is_untouched(serve_file):
