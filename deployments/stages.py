@@ -10,7 +10,6 @@ from ray import serve
 
 from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
-from engines.lookup_signal import LookupBoard
 from engines.niceness import ahead_of_compute
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
@@ -75,16 +74,12 @@ class SemanticCache:
             self.embedder = await asyncio.get_running_loop().run_in_executor(None, load)  # off the loop
             store = make_store(config.semantic.store, self.embedder.dimensions)
         self.cache = ResponseCache(config, store)
-        self.board = LookupBoard()  # tells a model replica on this node when a lookup is over
         self._indexing: asyncio.Future | None = None
         self._purge_task = asyncio.create_task(self._purge_forever(min(60.0, config.ttl_s / 4)))
 
     async def lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
         embed = self.embedder.embed_async if self.embedder is not None else None
-        try:
-            return await self.cache.lookup(key, scope, query, embed)
-        finally:
-            self.board.mark(key)  # a prefill started beside this lookup takes its core back now
+        return await self.cache.lookup(key, scope, query, embed)
 
     async def store(self, entry: CacheEntry) -> None:
         self.cache.put(entry)

@@ -1,24 +1,28 @@
 """Tells a prefill on the same node the moment the cache lookup beside it is over.
 
 While the box is idle the ingress starts the model before its cache lookup comes back
-(`overlap_cache_lookup`), and the prefill keeps to one thread so that the lookup's MiniLM
-embedding has the other core. Until when? The ingress can only send an estimate (recent
-lookups' embedding and search + a margin), and it is off both ways: a window that ends early
-leaves three threads on two cores (the prefill's barrier stalls at every op), one that ends
-late keeps half the box idle for the difference.
+(`overlap_cache_lookup`), and the prefill keeps to one thread so that the lookup's work has
+the other core: the MiniLM embedding, and the Python around it in the cache replica and the
+ingress (~17 ms of CPU a miss in all, measured per thread). All of that runs at niceness 0
+against the prefill's 19, so whatever of it lands while the prefill runs on two threads stops
+one of them, and the other spins at the next barrier: in a probe, a 245-token prefill took
+~30 ms longer beside a lookup whose window ended with the embedding, and ~3 ms longer with
+the window held until the ingress had handled the lookup's answer.
 
-So the SemanticCache replica writes the id of every lookup it finishes into a small ring in
-shared memory, and the model replica, at each check inside its pass, takes its second core
-back once its request's id is there. Both sides map the same file (/dev/shm); a reader on
-another node never sees an id, and the ingress's estimate still ends its window.
+Until when, then? The ingress can only send an estimate (recent lookups' embedding and search
++ a margin). So once it has handled the answer, the ingress writes the request's id into a
+small ring in shared memory (/dev/shm), and the model replica, at each check inside its pass,
+takes its second core back once that id is there. A reader on another node never sees an id,
+and the estimate ends its window.
 
-An id is the first 8 bytes of the request's cache key (a SHA-256), so nothing else is sent
-between the stages. Writes are 8 aligned bytes; a reader that misses one sees it at its next
-check or falls back to the estimate: this is a hint for scheduling, never for correctness.
+Ids are 8 bytes of a hash of the request id: unique per request, so a repeat never finds an
+old mark. Writes are 8 aligned bytes; a reader that misses one sees it at its next check or
+falls back to the estimate: this is a hint for scheduling, never for correctness.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import os
@@ -37,9 +41,9 @@ def _default_path() -> str:
     return os.path.join(base, f"latency-serve-lookups-{os.getuid()}")
 
 
-def lookup_id(cache_key: str) -> str:
-    """The part of a cache key (hex) that names its lookup on the board."""
-    return cache_key[: 2 * _ID_BYTES]
+def lookup_id(request_id: str) -> str:
+    """A request's id on the board (hex): unique per request, so a repeat never finds an old mark."""
+    return hashlib.blake2b(request_id.encode(), digest_size=_ID_BYTES).hexdigest()
 
 
 class LookupBoard:
@@ -65,12 +69,12 @@ class LookupBoard:
     def ok(self) -> bool:
         return self._map is not None
 
-    def mark(self, cache_key: str) -> None:
-        """The lookup for this cache key is over (its embedding and search are done)."""
+    def mark(self, lookup: str) -> None:
+        """This lookup (an id from `lookup_id`) is over."""
         if self._map is None:
             return
         offset = self._next * _ID_BYTES
-        self._map[offset : offset + _ID_BYTES] = bytes.fromhex(lookup_id(cache_key))
+        self._map[offset : offset + _ID_BYTES] = bytes.fromhex(lookup)
         self._next = (self._next + 1) % SLOTS
 
     def watch(self, lookup: str) -> Callable[[], bool] | None:

@@ -103,7 +103,8 @@ class ModelService:
         self.stats = EngineStats()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{config.engine.model_id}")
         self.worker_clock = WorkerClock()  # splits a prompt's engine_queue into what ran ahead of it
-        self.lookup_board = LookupBoard()  # the cache's finished lookups, on this node
+        self.lookup_board = LookupBoard()  # lookups the ingress has finished, on this node
+        self._board_heard = False  # a mark has reached this replica: the estimate is only a backstop
         # Batching needs an engine that can decode several sequences in one pass.
         self.max_batch = config.engine.max_batch_size if hasattr(self.engine, "decode_batch") else 1
         self._pending: list[tuple[Generation, asyncio.Future]] = []  # decode steps waiting for the worker
@@ -482,10 +483,10 @@ class ModelService:
             self.stats.prefills_beside_lookup += 1
             # The ingress's cache lookup embeds beside this prefill (it started the model before
             # the lookup came back): both on two cores beat either waiting for the other. Where
-            # the board has ended windows before (the cache is on this node), it ends this one
+            # the board has ended windows before (the ingress is on this node), it ends this one
             # too, and the estimate is only a backstop.
             ended = self.lookup_board.watch(gen.request.lookup_id) if gen.request.lookup_id else None
-            backstop = SIGNALLED_BACKSTOP if ended is not None and self.stats.lookup_windows_signalled else 1.0
+            backstop = SIGNALLED_BACKSTOP if ended is not None and self._board_heard else 1.0
             held = gen.engine.leave_one_core(enqueued + overlap_s * backstop, ended)
             started = time.perf_counter()
         with self._prefilling_lock:
@@ -507,6 +508,8 @@ class ModelService:
             chunk.timings_ms["prefill.one_core"] = ((released[0] if released else time.perf_counter()) - started) * 1000
             if released is not None and released[1] == "signal":
                 self.stats.lookup_windows_signalled += 1
+            # The mark came, if not in time: this replica shares the ingress's node.
+            self._board_heard = self._board_heard or (ended is not None and ended())
         chunk.timings_ms["engine_queue"] = queue_ms
         for kind, ms in ahead_ms.items():  # the worker's time on others' work while this one waited
             chunk.timings_ms[f"engine_queue.{kind}"] = ms

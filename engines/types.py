@@ -41,8 +41,8 @@ class GenerateRequest:
     # The ingress's cache lookup runs beside this request for about this long after sending it
     # (overlap_cache_lookup): the prefill leaves a core to the lookup's embedding meanwhile.
     lookup_overlap_ms: float = 0.0
-    # Its id on the lookup board (engines/lookup_signal.py): on the cache's node the prefill
-    # takes its core back the moment the lookup is over, not at the estimate.
+    # Its id on the lookup board (engines/lookup_signal.py): on the ingress's node the prefill
+    # takes its core back the moment the ingress has handled the lookup, not at the estimate.
     lookup_id: str | None = None
     sent_unix: float | None = None  # when the ingress sent it (time.time): the replica times the hop in
 

@@ -45,7 +45,7 @@ from admission.budget import trim_conversation
 from admission.gate import AdmissionGate, Ticket
 from admission.policy import AdmissionPolicy, Mode
 from configs.schemas import AppArgs, TierConfig
-from engines.lookup_signal import lookup_id
+from engines.lookup_signal import LookupBoard, lookup_id
 from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest, SamplingParams
 from ingress.coalescing import Flights
 from ingress.context import RequestContext, context_from_headers
@@ -189,6 +189,7 @@ class Pipeline:
         # about as long, so the embedding ends about that long after the model call arrives.
         # The whole lookup (~23 ms: hops there and back too) left a core idle for ~8 ms.
         self.lookup_embed_ms = 20.0
+        self.board = LookupBoard()  # ...and where the model replica shares the node, the moment it is over
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
         near = args.cache.model_copy(update={"max_entries": max(1, args.cache.near_entries), "ttl_s": args.cache.near_ttl_s})
@@ -543,7 +544,7 @@ class Pipeline:
                 generate.trace = p.trace.start_model_call(decision.model_id)
             if lookup is not None:  # the model starts beside the lookup (overlap_cache_lookup)
                 generate.lookup_overlap_ms = round(self.lookup_embed_ms, 1)
-                generate.lookup_id = lookup_id(p.cache_key)  # the cache marks it done on its node
+                generate.lookup_id = lookup_id(ctx.request_id)  # marked below once the lookup is handled
             generate.sent_unix = time.time()
             stream = self._start(decision.model_id, generate, p)
             if not p.coalesced:  # a follower adds no load to the model
@@ -565,6 +566,9 @@ class Pipeline:
                     hint_ids = self._hint_ids(p, decision.model_id, builder, found)
                     if hint_ids:
                         self.backends.late_hint(decision.model_id, ctx.request_id, hint_ids)
+                # The lookup's work is over, ours and the cache replica's: a prefill on this node
+                # takes its second core back (engines/lookup_signal.py).
+                self.board.mark(generate.lookup_id)
             try:
                 first = await first_chunk
             except ReplicaFailed as err:

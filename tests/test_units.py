@@ -232,30 +232,31 @@ def test_a_prefill_beside_the_cache_lookup_leaves_a_core_free_until_the_moment_t
 
 
 def test_the_lookup_board_tells_another_process_which_lookups_are_over(tmp_path):
-    """The SemanticCache replica marks a finished lookup; a model replica (another process on
-    the node) watching that lookup's id sees it, and no other id."""
+    """The ingress marks a request's lookup as over; a model replica (another process on the
+    node) watching that request's id sees it, and no other request's; ids are per request."""
     import subprocess
     import sys
 
     from engines.lookup_signal import SLOTS, LookupBoard, lookup_id
 
     path = str(tmp_path / "board")
-    key, other = "ab" * 32, "cd" * 32
+    mine, other = lookup_id("chatcmpl-1"), lookup_id("chatcmpl-2")
+    assert len(mine) == 16 and mine != other and lookup_id("chatcmpl-1") == mine
     watcher = LookupBoard(path)
-    over, other_over = watcher.watch(lookup_id(key)), watcher.watch(lookup_id(other))
+    over, other_over = watcher.watch(mine), watcher.watch(other)
     assert watcher.ok and not over() and not other_over()
     subprocess.run(
-        [sys.executable, "-c", f"from engines.lookup_signal import LookupBoard; LookupBoard({path!r}).mark({key!r})"],
+        [sys.executable, "-c", f"from engines.lookup_signal import LookupBoard; LookupBoard({path!r}).mark({mine!r})"],
         check=True, timeout=60,
     )
     assert over() and not other_over()
     writer = LookupBoard(path)  # a ring: an old id is gone once every slot was written since
     for i in range(SLOTS):
-        writer.mark(f"{i + 1:016x}" + "0" * 48)
+        writer.mark(lookup_id(f"filler-{i}"))
     assert not over()
     unmapped = LookupBoard(str(tmp_path))  # a directory: no board, the estimate ends windows
-    assert not unmapped.ok and unmapped.watch(lookup_id(key)) is None
-    unmapped.mark(key)
+    assert not unmapped.ok and unmapped.watch(mine) is None
+    unmapped.mark(mine)
 
 
 def test_a_cancelled_request_stops_its_prefill_midway_and_the_next_one_is_untouched(serve_file):
