@@ -305,7 +305,7 @@ class ModelService:
             job.add_done_callback(self._prefill_jobs.discard)
             chunk = await asyncio.wrap_future(job, loop=loop)  # cancelled before it runs: dropped
             if hop_in_ms is not None:
-                chunk.timings_ms["hop_in"] = max(0.0, hop_in_ms)
+                chunk.timings_ms["hop.in"] = max(0.0, hop_in_ms)
             self._decoding += 1
             decoding = True
             while True:

@@ -183,13 +183,13 @@ class Pipeline:
         self.backends = backends
         self.embedder = embedder  # the classifier's, for requests that skip the cache (the lookup brings one)
         self.flights = Flights()
-        # How long a lookup's embedding and search take in the cache replica (EMA), plus a
-        # margin: a model call started beside the lookup leaves a core free for that long
-        # (GenerateRequest.lookup_overlap_ms). Both calls leave together and both hops out take
-        # about as long, so the embedding ends about that long after the model call arrives.
-        # The whole lookup (~23 ms: hops there and back too) left a core idle for ~8 ms.
+        # A model call started beside the lookup leaves a core free until this ingress marks the
+        # lookup handled on the board (engines/lookup_signal.py), where the model replica
+        # shares its node. Elsewhere, and as a backstop, the replica goes by an estimate
+        # (GenerateRequest.lookup_overlap_ms): how long a lookup's embedding and search take in
+        # the cache replica (EMA), plus a margin.
         self.lookup_embed_ms = 20.0
-        self.board = LookupBoard()  # ...and where the model replica shares the node, the moment it is over
+        self.board = LookupBoard()
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
         near = args.cache.model_copy(update={"max_entries": max(1, args.cache.near_entries), "ttl_s": args.cache.near_ttl_s})
@@ -580,17 +580,11 @@ class Pipeline:
             p.engine_queue_ms = first.timings_ms.get("engine_queue", 0.0)
             p.prefill_ms = first.timings_ms.get("prefill")
             clock.stage_parts([("engine_queue", p.engine_queue_ms), ("prefill", p.prefill_ms or 0.0)], "hop", first_at)
-            shown = clock.ms("prefill") or 0.0
-            if p.prefill_ms and shown < p.prefill_ms - 0.05:
-                # Begun beside the lookup, the prefill shows only its part after it (stages are
-                # consecutive); the replica's whole measurement goes alongside.
-                clock.details_in_stage("prefill", [("prefill.whole", p.prefill_ms)])
-            # What the model's worker ran while this prompt waited: others' prefills, decode steps.
-            clock.details_in_stage("engine_queue", [(k, ms) for k, ms in first.timings_ms.items() if k.startswith("engine_queue.")])
-            if "hop_in" in first.timings_ms:  # of the hop: the way to the replica (the rest is the way back)
-                clock.details_in_stage("hop", [("hop.in", first.timings_ms["hop_in"])])
-            if "prefill.one_core" in first.timings_ms:  # beside the lookup: how long it left a core to it
-                clock.details_in_stage("prefill", [("prefill.one_core", first.timings_ms["prefill.one_core"])])
+            # The replica's details, each inside its stage: what its worker ran while this prompt
+            # waited (engine_queue.*), the way there (hop.in), the core left to the lookup
+            # (prefill.one_core).
+            for stage in ("engine_queue", "hop", "prefill"):
+                clock.details_in_stage(stage, [(k, ms) for k, ms in first.timings_ms.items() if k.startswith(stage + ".")])
             for key in ENGINE_QUEUE_COUNTS:  # how many jobs that was, and the longest one
                 if key in first.timings_ms:
                     clock.counts[key] = first.timings_ms[key]

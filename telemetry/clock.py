@@ -33,20 +33,24 @@ class StageClock:
     def stage_parts(self, parts: list[tuple[str, float]], rest: str, end: float | None = None) -> None:
         """Close the interval since the previous stage as several stages: `parts` with durations
         measured elsewhere (ms, e.g. by the model replica), the remainder as `rest` (the hop).
-        The remainder is split around the parts (half out, half back) as a call's hops are."""
+        The remainder is split around the parts (half out, half back) as a call's hops are.
+        A part longer than the time left (it began before the previous stage ended: a prefill
+        started beside the cache lookup) is cut to fit, and `<part>.whole` says how long it was."""
         end = time.perf_counter() if end is None else end
         span = max(0.0, end - self._last)
         known = []
         left = span
         for name, ms in parts:
             dur = min(max(0.0, ms / 1000), left)
-            known.append((name, dur))
+            known.append((name, dur, max(0.0, ms / 1000)))
             left -= dur
         t = self._last
         self.stages.append((rest, t, t + left / 2))
         t += left / 2
-        for name, dur in known:
+        for name, dur, whole in known:
             self.stages.append((name, t, t + dur))
+            if whole - dur > 0.00005:  # it ends where the stage ends, and began that much earlier
+                self.details.append((f"{name}.whole", t + dur - whole, t + dur))
             t += dur
         self.stages.append((rest, t, end))
         self._last = end
