@@ -1,9 +1,9 @@
 """OpenTelemetry traces: one trace per request, across the ingress and the model replica.
 
 The hot path only reads clocks (telemetry/clock.py). Spans are made when a request ends, from
-the intervals it recorded, with their real start and end times; only the root span and the span
-of the model call exist while it runs, because the model replica needs its parent id. With
-`exporter: none` no tracer exists and nothing here runs.
+the intervals it recorded, with their real start and end times, as plain records that a
+background thread encodes and exports (telemetry/spans.py says why not the SDK's Span objects).
+With `exporter: none` no tracer exists and nothing here runs.
 
 Context crosses process boundaries as W3C `traceparent`: from the client's header into the root
 span, and from the ingress to the model replica inside GenerateRequest.trace.
@@ -11,130 +11,111 @@ span, and from the ingress to the model replica inside GenerateRequest.trace.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
 from configs.schemas import TracingConfig
 from engines.types import ENGINE_QUEUE_COUNTS
 from telemetry.clock import StageClock
+from telemetry.spans import (
+    CLIENT, SERVER, ConsoleExporter, OtlpHttpExporter, SpanData, Tracer, new_id, parse_traceparent, traceparent,
+)
 
 log = logging.getLogger(__name__)
-_PROPAGATOR = TraceContextTextMapPropagator()
 # Stages the model call's own span (and the replica's spans under it) already covers.
 MODEL_STAGES = {"hop", "engine_queue", "prefill"}
 
 
-def make_tracer(config: TracingConfig, component: str) -> trace.Tracer | None:
+def make_tracer(config: TracingConfig, component: str) -> Tracer | None:
     """A tracer exporting as configured, or None for `exporter: none`."""
     if config.exporter == "none":
         return None
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-
     if config.exporter == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter(endpoint=config.endpoint, timeout=5)
+        exporter = OtlpHttpExporter(config.endpoint, config.service_name, component)
     else:
-        exporter = ConsoleSpanExporter()
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": config.service_name, "service.component": component}),
-        sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
-    )
-    # Spans leave in batches from a background thread, never on the request path.
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=config.export_interval_ms))
+        exporter = ConsoleExporter(config.service_name, component)
     log.info("tracing: %s exporter for %s", config.exporter, component)
-    return provider.get_tracer("latency_serve", "0.1.0")
-
-
-def carrier(span: trace.Span) -> dict[str, str]:
-    """The W3C headers that make `span` the parent on the other side of a hop."""
-    out: dict[str, str] = {}
-    _PROPAGATOR.inject(out, context=trace.set_span_in_context(span))
-    return out
-
-
-def parent_context(headers: Mapping[str, str] | None):
-    return _PROPAGATOR.extract(dict(headers)) if headers else None
+    # Spans leave in batches from a background thread, never on the request path.
+    return Tracer(exporter, config.sample_ratio, config.export_interval_ms / 1000)
 
 
 class RequestTrace:
     """The spans of one request at the ingress. `finish` is idempotent: the first call ends it."""
 
-    __slots__ = ("tracer", "root", "clock", "model_span", "attributes", "done", "stream_from")
+    __slots__ = ("tracer", "clock", "name", "parent", "trace_id", "span_id", "sampled", "model_calls",
+                 "attributes", "done", "stream_from")
 
-    def __init__(self, tracer: trace.Tracer, name: str, headers: Mapping[str, str], clock: StageClock) -> None:
+    def __init__(self, tracer: Tracer, name: str, headers: Mapping[str, str], clock: StageClock) -> None:
         self.tracer = tracer
         self.clock = clock
-        self.root = tracer.start_span(
-            name, context=parent_context(headers), kind=SpanKind.SERVER, start_time=clock.wall_start
-        )
-        self.model_span: trace.Span | None = None
+        self.name = name
+        self.parent, self.trace_id, self.sampled = tracer.start_trace(headers)
+        self.span_id = new_id()
+        # (span id, start, end or None, model id) of each call to a model replica (a retry adds one).
+        self.model_calls: list[list] = []
         self.attributes: dict[str, Any] = {}
         self.stream_from: float | None = None  # perf_counter of the first token, for the stream span
         self.done = False
 
-    @property
-    def sampled(self) -> bool:
-        return self.root.get_span_context().trace_flags.sampled
-
     def traceresponse(self) -> str:
-        ctx = self.root.get_span_context()
-        return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+        return traceparent(self.trace_id, self.span_id, self.sampled)
 
     def start_model_call(self, model_id: str) -> dict[str, str]:
         """Open the span of the call to the model replica; returns its traceparent for the replica."""
-        if self.model_span is not None:  # a retry: the first call's span ends here
-            self.model_span.end()
-        self.model_span = self.tracer.start_span(
-            "generate", context=trace.set_span_in_context(self.root), kind=SpanKind.CLIENT,
-            attributes={"gen_ai.request.model": model_id},
-        )
-        return carrier(self.model_span)
+        now = time.perf_counter()
+        if self.model_calls and self.model_calls[-1][2] is None:  # a retry: the first call's span ends here
+            self.model_calls[-1][2] = now
+        span_id = new_id()
+        self.model_calls.append([span_id, now, None, model_id])
+        carrier = {"traceparent": traceparent(self.trace_id, span_id, self.sampled)}
+        if self.parent is not None and self.parent.trace_state:
+            carrier["tracestate"] = self.parent.trace_state
+        return carrier
 
     def finish(self, status: int, error: str | None = None) -> None:
+        """The request ended: its spans are made and sent later, off the request path."""
         if self.done:
             return
         self.done = True
-        end = time.perf_counter()
         if not self.sampled:
-            self.root.end()
             return
-        parent = trace.set_span_in_context(self.root)
-        for name, start, stop in self.clock.stages:
-            if name not in MODEL_STAGES:
-                self._child(name, start, stop, parent)
-        for name, start, stop in self.clock.details:
-            self._child(name.split(".", 1)[-1], start, stop, parent)
-        if self.stream_from is not None:
-            self._child("stream", self.stream_from, end, parent)
-        if self.model_span is not None:
-            self.model_span.end(end_time=self.clock.wall_ns(end))
-        self.root.set_attributes({k: v for k, v in self.attributes.items() if v is not None})
-        self.root.set_attribute("http.response.status_code", status)
-        if error is not None or status >= 500:
-            self.root.set_status(Status(StatusCode.ERROR, error or str(status)))
-        self.root.end(end_time=self.clock.wall_ns(end))
+        # Copies (microseconds): the export thread must not see later changes.
+        recorded = (list(self.clock.stages), list(self.clock.details), dict(self.attributes))
+        self.tracer.emit(functools.partial(self._spans, time.perf_counter(), status, error, *recorded))
 
-    def _child(self, name: str, start: float, stop: float, parent) -> None:
-        span = self.tracer.start_span(name, context=parent, start_time=self.clock.wall_ns(start))
-        span.end(end_time=self.clock.wall_ns(stop))
+    def _spans(self, end: float, status: int, error: str | None, stages: list, details: list, attributes: dict
+               ) -> list[SpanData]:
+        """The request's spans, made on the export thread from what it recorded."""
+        wall, trace_id, root = self.clock.wall_ns, self.trace_id, self.span_id
+        state = self.parent.trace_state if self.parent is not None else ""
+        spans = [SpanData(trace_id, new_id(), root, name, wall(start), wall(stop), trace_state=state)
+                 for name, start, stop in stages if name not in MODEL_STAGES]
+        spans += [SpanData(trace_id, new_id(), root, name.split(".", 1)[-1], wall(start), wall(stop), trace_state=state)
+                  for name, start, stop in details]
+        if self.stream_from is not None:
+            spans.append(SpanData(trace_id, new_id(), root, "stream", wall(self.stream_from), wall(end), trace_state=state))
+        for span_id, start, stop, model_id in self.model_calls:
+            spans.append(SpanData(trace_id, span_id, root, "generate", wall(start), wall(end if stop is None else stop),
+                                  CLIENT, {"gen_ai.request.model": model_id}, trace_state=state))
+        attributes = {k: v for k, v in attributes.items() if v is not None}
+        attributes["http.response.status_code"] = status
+        failed = error if error is not None else (str(status) if status >= 500 else None)
+        spans.append(SpanData(
+            trace_id, root, self.parent.span_id if self.parent is not None else 0, self.name,
+            self.clock.wall_start, wall(end), SERVER, attributes, failed, self.parent is not None, state,
+        ))
+        return spans
 
 
 class ModelCallTrace:
     """The model replica's side: queue, prefill and decode spans under the ingress's `generate`."""
 
-    def __init__(self, tracer: trace.Tracer, headers: Mapping[str, str], model_id: str) -> None:
+    def __init__(self, tracer: Tracer, headers: Mapping[str, str], model_id: str) -> None:
         self.tracer = tracer
-        self.parent = parent_context(headers)
+        self.parent = parse_traceparent(headers)
         self.model_id = model_id
         self.called_ns = time.time_ns()
         self.first_ns: int | None = None
@@ -159,6 +140,8 @@ class ModelCallTrace:
         self.last_ns = time.time_ns()
 
     def finish(self, tokens: int, timings_ms: Mapping[str, float], outcome: str) -> None:
+        if self.parent is None or not self.parent.sampled:
+            return
         end = self.last_ns or time.time_ns()
         t = self.called_ns
         spans = [("engine.queue", t, t + int(self.queue_ms * 1e6), self.queue_ahead)]
@@ -171,8 +154,10 @@ class ModelCallTrace:
                 "speculative.accepted_tokens": int(timings_ms.get("spec_accepted", 0)),
                 "outcome": outcome,
             }))
-        for name, start, stop, attributes in spans:
-            span = self.tracer.start_span(
-                name, context=self.parent, start_time=start, attributes={"gen_ai.request.model": self.model_id, **attributes}
-            )
-            span.end(end_time=max(start, stop))
+        parent = self.parent
+        self.tracer.emit([
+            SpanData(parent.trace_id, new_id(), parent.span_id, name, start, stop,
+                     attributes={"gen_ai.request.model": self.model_id, **attributes},
+                     remote_parent=True, trace_state=parent.trace_state)
+            for name, start, stop, attributes in spans
+        ])
