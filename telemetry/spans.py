@@ -31,6 +31,7 @@ INTERNAL, SERVER, CLIENT = 1, 2, 3
 # OTLP span flags: the W3C sampled bit, and "whether the parent is remote" is known (+ its value).
 _FLAGS_LOCAL_PARENT, _FLAGS_REMOTE_PARENT = 0x101, 0x301
 MAX_BATCH = 512  # spans per export request
+WAKE_AT = 64  # requests' spans queued (~8 each) that wake the export thread before its interval
 MAX_QUEUE = 4096  # requests' spans waiting; past that new ones are dropped (counted, logged), never piled up
 
 
@@ -136,20 +137,22 @@ class Tracer:
                 log.warning("tracing: export queue full, %d requests' spans dropped so far", self.dropped)
             return
         self._queue.append(spans)
-        if len(self._queue) >= MAX_BATCH // 8:
+        if len(self._queue) >= WAKE_AT:  # ~MAX_BATCH spans: send them now rather than at the interval
             self._wake.set()
 
     def flush(self) -> None:
         """Export everything queued now, on the caller's thread."""
         with self._lock:
+            # What is queued now, not what trickles in meanwhile: that waits for the next
+            # round, so a busy service sends a few large requests rather than many small ones.
             batch: list[SpanData] = []
-            while self._queue:
+            for left in range(len(self._queue) - 1, -1, -1):
                 item = self._queue.popleft()
                 try:
                     batch.extend(item() if callable(item) else item)
                 except Exception as exc:  # one request's broken spans never stop the others'
                     log.warning("tracing: spans not made: %r", exc)
-                if len(batch) >= MAX_BATCH or not self._queue:
+                if len(batch) >= MAX_BATCH or not left:
                     self._export(batch)
                     batch = []
 
@@ -213,10 +216,32 @@ def _any_value(value: Any) -> bytes:
     return _len_field(b"\x0a", str(value).encode())
 
 
+# Most attributes and names repeat from request to request (tier, model, route, cache result):
+# their encodings are kept, up to a bound.
+_encoded: dict[tuple, bytes] = {}
+
+
+def _key_value(tag: bytes, key: str, value: Any) -> bytes:
+    """KeyValue{key (1), value (2)} under field `tag`."""
+    memo = (tag, key, type(value), value)  # the type: True == 1, and both hash alike
+    out = _encoded.get(memo)
+    if out is None:
+        out = _len_field(tag, _len_field(b"\x0a", key.encode()) + _len_field(b"\x12", _any_value(value)))
+        if len(_encoded) >= 4096:
+            _encoded.clear()
+        _encoded[memo] = out
+    return out
+
+
 def _key_values(tag: bytes, attributes: Mapping[str, Any]) -> list[bytes]:
-    """Repeated KeyValue{key (1), value (2)} under field `tag`."""
-    return [_len_field(tag, _len_field(b"\x0a", k.encode()) + _len_field(b"\x12", _any_value(v)))
-            for k, v in attributes.items() if v is not None]
+    return [_key_value(tag, k, v) for k, v in attributes.items() if v is not None]
+
+
+def _name(name: str) -> bytes:
+    out = _encoded.get((name,))
+    if out is None:
+        out = _encoded[(name,)] = _len_field(b"\x2a", name.encode())
+    return out
 
 
 def _span(s: SpanData) -> bytes:
@@ -227,7 +252,7 @@ def _span(s: SpanData) -> bytes:
         parts.append(_len_field(b"\x1a", s.trace_state.encode()))
     if s.parent_id:
         parts += (b"\x22\x08", s.parent_id.to_bytes(8, "big"))
-    parts += (_len_field(b"\x2a", s.name.encode()), b"\x30", bytes((s.kind,)),
+    parts += (_name(s.name), b"\x30", bytes((s.kind,)),
               b"\x39", _pack_fixed64(s.start_ns), b"\x41", _pack_fixed64(max(s.start_ns, s.end_ns)))
     if s.attributes:
         parts += _key_values(b"\x4a", s.attributes)

@@ -21,7 +21,7 @@ from configs.schemas import TracingConfig
 from engines.types import ENGINE_QUEUE_COUNTS
 from telemetry.clock import StageClock
 from telemetry.spans import (
-    CLIENT, SERVER, ConsoleExporter, OtlpHttpExporter, SpanData, Tracer, new_id, parse_traceparent, traceparent,
+    CLIENT, INTERNAL, SERVER, ConsoleExporter, OtlpHttpExporter, SpanData, Tracer, new_id, parse_traceparent, traceparent,
 )
 
 log = logging.getLogger(__name__)
@@ -91,12 +91,14 @@ class RequestTrace:
         """The request's spans, made on the export thread from what it recorded."""
         wall, trace_id, root = self.clock.wall_ns, self.trace_id, self.span_id
         state = self.parent.trace_state if self.parent is not None else ""
-        spans = [SpanData(trace_id, new_id(), root, name, wall(start), wall(stop), trace_state=state)
+        # Positional: a NamedTuple built with keywords costs twice as much, thousands of times a second.
+        spans = [SpanData(trace_id, new_id(), root, name, wall(start), wall(stop), INTERNAL, None, None, False, state)
                  for name, start, stop in stages if name not in MODEL_STAGES]
-        spans += [SpanData(trace_id, new_id(), root, name.split(".", 1)[-1], wall(start), wall(stop), trace_state=state)
-                  for name, start, stop in details]
+        spans += [SpanData(trace_id, new_id(), root, name.split(".", 1)[-1], wall(start), wall(stop), INTERNAL, None, None,
+                           False, state) for name, start, stop in details]
         if self.stream_from is not None:
-            spans.append(SpanData(trace_id, new_id(), root, "stream", wall(self.stream_from), wall(end), trace_state=state))
+            spans.append(SpanData(trace_id, new_id(), root, "stream", wall(self.stream_from), wall(end), INTERNAL, None,
+                                  None, False, state))
         for span_id, start, stop, model_id in self.model_calls:
             spans.append(SpanData(trace_id, span_id, root, "generate", wall(start), wall(end if stop is None else stop),
                                   CLIENT, {"gen_ai.request.model": model_id}, trace_state=state))
