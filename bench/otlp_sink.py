@@ -44,6 +44,8 @@ class OTLPSink:
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as a collector: a new connection per export would be the sink's cost
+
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 sink._receive(body)

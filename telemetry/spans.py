@@ -30,8 +30,14 @@ log = logging.getLogger(__name__)
 INTERNAL, SERVER, CLIENT = 1, 2, 3
 # OTLP span flags: the W3C sampled bit, and "whether the parent is remote" is known (+ its value).
 _FLAGS_LOCAL_PARENT, _FLAGS_REMOTE_PARENT = 0x101, 0x301
-MAX_BATCH = 512  # spans per export request
-WAKE_AT = 64  # requests' spans queued (~8 each) that wake the export thread before its interval
+# Spans per export request. Each POST costs ~1 ms of the exporter's Python (requests, urllib3):
+# under a few hundred cache hits a second, 512-span batches made it half the tracing's CPU.
+MAX_BATCH = 2048
+WAKE_AT = 256  # requests' spans queued (~5-12 each) that wake the export thread before its interval
+# The export thread works in slices of this many requests' or spans' worth (~0.5 ms) and offers
+# the GIL back between them. Held for a whole batch (~15 ms), the event loop waits out Python's
+# 5 ms switch interval again and again: cache-hit throughput fell 11% in a probe, at ~2% CPU.
+SLICE = 16
 MAX_QUEUE = 4096  # requests' spans waiting; past that new ones are dropped (counted, logged), never piled up
 
 
@@ -152,6 +158,8 @@ class Tracer:
                     batch.extend(item() if callable(item) else item)
                 except Exception as exc:  # one request's broken spans never stop the others'
                     log.warning("tracing: spans not made: %r", exc)
+                if left % SLICE == 0:
+                    time.sleep(0)  # let the event loop have the GIL (see SLICE)
                 if len(batch) >= MAX_BATCH or not left:
                     self._export(batch)
                     batch = []
@@ -262,11 +270,18 @@ def _span(s: SpanData) -> bytes:
     return b"".join(parts)
 
 
-def encode_otlp(spans: list[SpanData], resource: Mapping[str, Any], scope: tuple[str, str]) -> bytes:
+def encode_otlp(spans: list[SpanData], resource: Mapping[str, Any], scope: tuple[str, str],
+                pause: Callable[[], None] | None = None) -> bytes:
     """An OTLP ExportTraceServiceRequest {resource_spans 1: {resource 1: {attributes 1},
-    scope_spans 2: {scope 1: {name 1, version 2}, spans 2}}} holding `spans`."""
+    scope_spans 2: {scope 1: {name 1, version 2}, spans 2}}} holding `spans`. `pause` is called
+    between slices of spans."""
     scope_msg = _len_field(b"\x0a", _len_field(b"\x0a", scope[0].encode()) + _len_field(b"\x12", scope[1].encode()))
-    scope_spans = scope_msg + b"".join(_len_field(b"\x12", _span(s)) for s in spans)
+    parts = [scope_msg]
+    for i in range(0, len(spans), SLICE * 4):
+        parts += [_len_field(b"\x12", _span(s)) for s in spans[i:i + SLICE * 4]]
+        if pause is not None:
+            pause()
+    scope_spans = b"".join(parts)
     resource_msg = _len_field(b"\x0a", b"".join(_key_values(b"\x0a", resource)))
     return _len_field(b"\x0a", resource_msg + _len_field(b"\x12", scope_spans))
 
@@ -281,6 +296,10 @@ def _resource(service_name: str, component: str) -> dict[str, Any]:
 SCOPE = ("latency_serve", "0.1.0")
 
 
+def _yield_gil() -> None:
+    time.sleep(0)
+
+
 class OtlpHttpExporter:
     """OTLP/HTTP through the official exporter package's client: it does the POST, headers,
     compression, TLS and retries; we hand it the encoded request."""
@@ -292,7 +311,7 @@ class OtlpHttpExporter:
         self._resource = _resource(service_name, component)
 
     def export(self, spans: list[SpanData]) -> bool:
-        result = self._official._client.export(encode_otlp(spans, self._resource, SCOPE))
+        result = self._official._client.export(encode_otlp(spans, self._resource, SCOPE, pause=_yield_gil))
         if not result.success:
             log.warning("tracing: OTLP export of %d spans failed: %s", len(spans), result.error)
         return result.success
