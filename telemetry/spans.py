@@ -1,12 +1,12 @@
-"""Spans as plain records, batched off the request path, exported as OTLP.
+"""Spans as plain records, made and exported off the request path as OTLP.
 
 Why not the SDK's `Span` objects: on a 2-core box a cache hit's eight SDK spans cost ~450 µs
-to make on the request path and ~500 µs more to encode on the exporter thread (the SDK's
-encoder builds each protobuf field in Python, 63 µs a span), all of it under the GIL the
-ingress's event loop needs: a hit is ~1-2 ms of work, so 100% sampling cost 15-20% of hit
-throughput. Here a request records tuples (~1 µs a span) and a background thread encodes them
-into OTLP protobuf (~8 µs a span) and sends them through the
-official exporter's HTTP client (endpoint, headers, compression, TLS and retries as the
+to make on the request path and ~60 µs each to encode on the exporter thread (the SDK's encoder
+fills each protobuf field from Python), all of it under the GIL the ingress's event loop
+needs, while a whole hit is ~2 ms of the ingress's CPU: 100% sampling cost 7-21% of hit
+throughput. Here a request queues a function that makes its spans (~16 µs on its path); the
+export thread makes them as tuples, writes OTLP protobuf (~8 µs a span) and sends it through
+the official exporter's HTTP client (endpoint, headers, compression, TLS and retries as the
 `OTEL_EXPORTER_OTLP_*` variables say). The SDK still supplies the resource
 (`OTEL_RESOURCE_ATTRIBUTES` included), the ratio sampler's bound and the console exporter.
 """
@@ -103,7 +103,7 @@ class SpanExporter(Protocol):
 
 class Tracer:
     """Starts traces (sampling as ParentBased(TraceIdRatioBased)), and takes finished spans into
-    a queue that a daemon thread exports every `interval_s`, or at once when a batch is full."""
+    a queue that a daemon thread exports every `interval_s`, or at once when WAKE_AT requests wait."""
 
     def __init__(self, exporter: SpanExporter, sample_ratio: float = 1.0, interval_s: float = 2.0) -> None:
         from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
@@ -111,7 +111,8 @@ class Tracer:
         self.exporter = exporter
         self._bound = TraceIdRatioBased.get_bound_for_rate(sample_ratio)
         self.interval_s = interval_s
-        self._queue: collections.deque[SpanData] = collections.deque()
+        # Each entry is one request's spans, or the function that makes them.
+        self._queue: collections.deque[list[SpanData] | Callable[[], list[SpanData]]] = collections.deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # one export at a time (the thread, flush, shutdown)
         self._closed = False

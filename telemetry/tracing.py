@@ -142,9 +142,13 @@ class ModelCallTrace:
         self.last_ns = time.time_ns()
 
     def finish(self, tokens: int, timings_ms: Mapping[str, float], outcome: str) -> None:
+        """The generation ended: its spans are made later, on the export thread."""
         if self.parent is None or not self.parent.sampled:
             return
-        end = self.last_ns or time.time_ns()
+        proposed, accepted = int(timings_ms.get("spec_proposed", 0)), int(timings_ms.get("spec_accepted", 0))
+        self.tracer.emit(functools.partial(self._spans, self.last_ns or time.time_ns(), tokens, proposed, accepted, outcome))
+
+    def _spans(self, end: int, tokens: int, proposed: int, accepted: int, outcome: str) -> list[SpanData]:
         t = self.called_ns
         spans = [("engine.queue", t, t + int(self.queue_ms * 1e6), self.queue_ahead)]
         t += int(self.queue_ms * 1e6)
@@ -152,14 +156,14 @@ class ModelCallTrace:
         if self.first_ns is not None:
             spans.append(("engine.decode", self.first_ns, end, {
                 "gen_ai.usage.output_tokens": tokens,
-                "speculative.proposed_tokens": int(timings_ms.get("spec_proposed", 0)),
-                "speculative.accepted_tokens": int(timings_ms.get("spec_accepted", 0)),
+                "speculative.proposed_tokens": proposed,
+                "speculative.accepted_tokens": accepted,
                 "outcome": outcome,
             }))
         parent = self.parent
-        self.tracer.emit([
+        return [
             SpanData(parent.trace_id, new_id(), parent.span_id, name, start, stop,
                      attributes={"gen_ai.request.model": self.model_id, **attributes},
                      remote_parent=True, trace_state=parent.trace_state)
             for name, start, stop, attributes in spans
-        ])
+        ]
