@@ -38,7 +38,6 @@ class OTLPSink:
     def __init__(self, keep: bool = True) -> None:
         self.spans: list[SpanRecord] = []
         self.requests = 0
-        self.bytes = 0
         self._keep = keep  # False: count and drop (throughput runs)
         self._lock = threading.Lock()
         sink = self
@@ -68,7 +67,6 @@ class OTLPSink:
         if not self._keep:  # a throughput run: a collector's parsing is not the service's cost
             with self._lock:
                 self.requests += 1
-                self.bytes += len(body)
             return
         request = ExportTraceServiceRequest.FromString(body)
         records = []
@@ -83,7 +81,6 @@ class OTLPSink:
                     ))
         with self._lock:
             self.requests += 1
-            self.bytes += len(body)
             self.spans.extend(records)
 
     def trace(self, trace_id: str) -> list[SpanRecord]:
