@@ -162,7 +162,11 @@ class Ingress:
             # cache (no-cache, sampled). Loaded off the event loop.
             from semantic_cache.embedder import Embedder
 
-            load = functools.partial(Embedder, precision=config.cache.semantic.embed_precision)
+            load = functools.partial(
+                Embedder,
+                precision=config.cache.semantic.embed_precision,
+                runtime=config.cache.semantic.embed_runtime,
+            )
             embedder = await asyncio.get_running_loop().run_in_executor(None, load)
         self.pipeline = Pipeline(config, backends, _prompt_builders(config), embedder)
         self.pipeline.tracer = make_tracer(config.telemetry.tracing, "Ingress")

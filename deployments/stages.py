@@ -70,7 +70,9 @@ class SemanticCache:
         if config.semantic.enabled:
             from semantic_cache.embedder import Embedder
 
-            load = functools.partial(Embedder, precision=config.semantic.embed_precision)
+            load = functools.partial(
+                Embedder, precision=config.semantic.embed_precision, runtime=config.semantic.embed_runtime
+            )
             self.embedder = await asyncio.get_running_loop().run_in_executor(None, load)  # off the loop
             store = make_store(config.semantic.store, self.embedder.dimensions)
         self.cache = ResponseCache(config, store)
@@ -93,7 +95,9 @@ class SemanticCache:
     async def stats(self) -> dict:
         precision = {}
         if self.embedder is not None:
-            precision = {"embed_precision": self.embedder.precision, "embed_bf16_check": self.embedder.bf16_check}
+            embedder = self.embedder
+            precision = {"embed_precision": embedder.precision, "embed_bf16_check": embedder.bf16_check,
+                         "embed_runtime": embedder.runtime, "embed_onnx_check": embedder.onnx_check}
         return {**self.cache.stats(), **precision}
 
     async def _purge_forever(self, every_s: float) -> None:

@@ -46,6 +46,27 @@ class _Layer:
     ln2_b: torch.Tensor
 
 
+def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Encoder layer i's float32 tensors as the lean pass multiplies by them (`_Layer`'s
+    fields): matrices transposed to (in, out), Q, K and V fused into one product."""
+    p = f"encoder.layer.{i}."
+
+    def t(name: str) -> torch.Tensor:
+        return weights[p + name].t().contiguous()
+
+    def fused(kind: str) -> torch.Tensor:
+        return torch.cat([weights[f"{p}attention.self.{n}.{kind}"] for n in ("query", "key", "value")])
+
+    return {
+        "qkv_w": fused("weight").t().contiguous(), "qkv_b": fused("bias"),
+        "out_w": t("attention.output.dense.weight"), "out_b": weights[p + "attention.output.dense.bias"],
+        "ln1_w": weights[p + "attention.output.LayerNorm.weight"], "ln1_b": weights[p + "attention.output.LayerNorm.bias"],
+        "up_w": t("intermediate.dense.weight"), "up_b": weights[p + "intermediate.dense.bias"],
+        "down_w": t("output.dense.weight"), "down_b": weights[p + "output.dense.bias"],
+        "ln2_w": weights[p + "output.LayerNorm.weight"], "ln2_b": weights[p + "output.LayerNorm.bias"],
+    }
+
+
 class LeanBertEncoder:
     """Mean-pooled, unit-length embedding of one text; BERT with absolute positions and GELU."""
 
@@ -66,25 +87,10 @@ class LeanBertEncoder:
         self.ln_w = weights["embeddings.LayerNorm.weight"]
         self.ln_b = weights["embeddings.LayerNorm.bias"]
 
-        def t(x: torch.Tensor) -> torch.Tensor:
-            return x.t().contiguous().to(dtype)
-
-        def w(prefix: str, name: str) -> torch.Tensor:  # a layer's tensor, in the pass's dtype
-            return weights[prefix + name].to(dtype)
-
-        self.layers = []
-        for i in range(config.num_hidden_layers):
-            p = f"encoder.layer.{i}."
-            qkv = [w(p, f"attention.self.{n}.weight") for n in ("query", "key", "value")]
-            self.layers.append(_Layer(
-                qkv_w=t(torch.cat(qkv)),
-                qkv_b=torch.cat([w(p, f"attention.self.{n}.bias") for n in ("query", "key", "value")]),
-                out_w=t(w(p, "attention.output.dense.weight")), out_b=w(p, "attention.output.dense.bias"),
-                ln1_w=w(p, "attention.output.LayerNorm.weight"), ln1_b=w(p, "attention.output.LayerNorm.bias"),
-                up_w=t(w(p, "intermediate.dense.weight")), up_b=w(p, "intermediate.dense.bias"),
-                down_w=t(w(p, "output.dense.weight")), down_b=w(p, "output.dense.bias"),
-                ln2_w=w(p, "output.LayerNorm.weight"), ln2_b=w(p, "output.LayerNorm.bias"),
-            ))
+        self.layers = [
+            _Layer(**{name: tensor.to(dtype) for name, tensor in layer_weights(weights, i).items()})
+            for i in range(config.num_hidden_layers)
+        ]
 
         self._traced = self._trace()
 

@@ -75,6 +75,19 @@ def test_bad_values_are_rejected(path, value):
         AppArgs.model_validate(raw)
 
 
+def test_onnxruntime_embedding_is_float32_only():
+    raw = _raw_args()
+    semantic = raw["cache"]["semantic"]
+    semantic["embed_runtime"] = "onnxruntime"
+    AppArgs.model_validate(raw)
+    semantic["embed_precision"] = "bfloat16"
+    with pytest.raises(ValidationError, match="float32"):
+        AppArgs.model_validate(raw)
+    semantic["embed_runtime"] = "tpu"
+    with pytest.raises(ValidationError):
+        AppArgs.model_validate(raw)
+
+
 def test_model_ids_must_be_distinct():
     raw = _raw_args()
     raw["draft"]["engine"]["model_id"] = raw["target"]["engine"]["model_id"]
