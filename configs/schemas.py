@@ -269,7 +269,7 @@ class SemanticConfig(_Strict):
         "auto",
         description="what runs that pass: auto takes onnxruntime (float32) where, measured at load, it gives "
         "sentence-transformers' vector (cosine 0.99999) in at most 0.85x the time of torch's pick (AVX2-only "
-        "EPYC: 0.36x); onnxruntime runs float32 only",
+        "EPYC: 0.59-0.65x); onnxruntime runs float32 only",
     )
     store: VectorStoreConfig = VectorStoreConfig()
 

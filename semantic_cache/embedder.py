@@ -8,7 +8,7 @@ thread: torch work stays off the event loop, and concurrent requests queue inste
 fighting over the two cores. Where the CPU has native bf16 dot products the pass runs in
 bfloat16 (`precision`, measured at load: ~0.6x the time, cosine ≥ 0.9995 to float32). Where
 onnxruntime runs the same float32 pass faster than torch's pick (`runtime`, measured at load:
-0.36x on an AVX2-only EPYC), it runs there.
+0.59-0.65x on an AVX2-only EPYC), it runs there.
 """
 
 from __future__ import annotations
