@@ -59,7 +59,7 @@ class Embedder:
         # every parallel region in the process ran ~3x slower here once two teams existed.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
         self.precision = "modules"  # what single-text embeddings run in; set by _load
-        self.bf16_check: dict[str, float] = {}  # bfloat16 against float32 at load: cosine, time ratio
+        self.bf16_check: dict[str, float | str] = {}  # bfloat16 against float32 at load: cosine, time ratio
         self.runtime = "torch"  # what single-text embeddings run on; set by _load
         self.onnx_check: dict[str, float] = {}  # onnxruntime against the modules / torch's pick
         self._executor.submit(self._load, path, num_threads, precision, runtime).result()
@@ -99,6 +99,11 @@ class Embedder:
             return None
         self.precision = "float32"
         if precision == "float32":
+            return lean
+        if precision == "auto" and _bf16_emulated():
+            # Nothing to measure: without AVX-512 bf16 is emulated (~18x float32's time on an
+            # AVX2-only EPYC), and building and timing that pass cost ~5 s of every load.
+            self.bf16_check = {"skipped": f"CPU capability {torch.backends.cpu.get_cpu_capability()}: bf16 emulated"}
             return lean
         try:
             half = LeanBertEncoder(self.model[0].auto_model, self.model.tokenizer, self.model.max_seq_length, torch.bfloat16)
@@ -172,6 +177,17 @@ class Embedder:
 
     async def embed_async(self, text: str) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed, text)
+
+
+def _bf16_emulated() -> bool:
+    """An x86 CPU without AVX-512 (so without AVX512-BF16 or AMX): torch emulates bf16 there."""
+    import platform
+
+    import torch
+
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
+        "NO AVX", "DEFAULT", "AVX2"
+    )
 
 
 def _time_ratio(candidate, baseline, text: str, rounds: int = 7) -> float:

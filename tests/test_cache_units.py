@@ -205,7 +205,11 @@ def test_single_embedding_fast_path_matches_batched_encode(embedder):
 
     assert embedder.lean is not None, "MiniLM should take the lean forward pass"
     bf16, onnx = embedder.bf16_check, embedder.onnx_check
-    takes_bf16 = bf16["cosine"] >= BF16_MIN_COSINE and bf16["time_ratio"] <= BF16_MAX_TIME_RATIO
+    if "skipped" in bf16:  # an x86 CPU without AVX-512: bf16 is emulated there, not worth timing
+        assert torch.backends.cpu.get_cpu_capability() in ("NO AVX", "DEFAULT", "AVX2"), bf16
+        takes_bf16 = False
+    else:
+        takes_bf16 = bf16["cosine"] >= BF16_MIN_COSINE and bf16["time_ratio"] <= BF16_MAX_TIME_RATIO
     assert onnx, "auto should have measured onnxruntime against torch's pick"
     takes_onnx = onnx["cosine"] >= ONNX_MIN_COSINE and onnx["time_ratio"] <= ONNX_MAX_TIME_RATIO
     assert embedder.runtime == ("onnxruntime" if takes_onnx else "torch"), onnx
