@@ -93,12 +93,11 @@ class SemanticCache:
         return self.cache.invalidate(tenant)
 
     async def stats(self) -> dict:
-        precision = {}
-        if self.embedder is not None:
-            embedder = self.embedder
-            precision = {"embed_precision": embedder.precision, "embed_bf16_check": embedder.bf16_check,
-                         "embed_runtime": embedder.runtime, "embed_onnx_check": embedder.onnx_check}
-        return {**self.cache.stats(), **precision}
+        embedding = {}
+        if (e := self.embedder) is not None:  # which pass the lookups run, and why (measured at load)
+            embedding = {"embed_precision": e.precision, "embed_bf16_check": e.bf16_check,
+                         "embed_runtime": e.runtime, "embed_onnx_check": e.onnx_check}
+        return {**self.cache.stats(), **embedding}
 
     async def _purge_forever(self, every_s: float) -> None:
         while True:

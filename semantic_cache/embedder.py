@@ -162,10 +162,11 @@ class Embedder:
         batching bookkeeping per call here, and the vector is the same (max difference ~1e-8)."""
         import torch
 
+        from semantic_cache.lean_bert import unit
+
         features = self.model.preprocess([text])
         with torch.inference_mode():
-            vector = self.model.forward(features)["sentence_embedding"][0].numpy().astype(np.float32)
-        return vector / max(float(np.linalg.norm(vector)), 1e-12)
+            return unit(self.model.forward(features)["sentence_embedding"][0].numpy().astype(np.float32))
 
     def embed_many(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
         return self._executor.submit(self._embed_many, texts, batch_size).result()

@@ -46,6 +46,24 @@ class _Layer:
     ln2_b: torch.Tensor
 
 
+def float_weights(bert: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The encoder's tensors in float32, once it is checked to be the plain BERT (absolute
+    positions, GELU) that the lean passes implement; ValueError otherwise."""
+    config = bert.config
+    if config.model_type != "bert" or config.hidden_act != "gelu":
+        raise ValueError(f"not a plain BERT encoder: {config.model_type}/{config.hidden_act}")
+    return {k: v.detach().float().contiguous() for k, v in bert.state_dict().items()}
+
+
+def token_ids(tokenizer, text: str, max_length: int) -> list[int]:
+    return tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+
+
+def unit(vector: np.ndarray) -> np.ndarray:
+    """Unit length, so cosine similarity is a dot product."""
+    return vector / max(float(np.linalg.norm(vector)), 1e-12)
+
+
 def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
     """Encoder layer i's float32 tensors as the lean pass multiplies by them (`_Layer`'s
     fields): matrices transposed to (in, out), Q, K and V fused into one product."""
@@ -72,9 +90,7 @@ class LeanBertEncoder:
 
     def __init__(self, bert: torch.nn.Module, tokenizer, max_length: int, dtype: torch.dtype = torch.float32) -> None:
         config = bert.config
-        if config.model_type != "bert" or config.hidden_act != "gelu":
-            raise ValueError(f"not a plain BERT encoder: {config.model_type}/{config.hidden_act}")
-        weights = {k: v.detach().float().contiguous() for k, v in bert.state_dict().items()}
+        weights = float_weights(bert)
         self.dtype = dtype
         self.tokenizer = tokenizer
         self.max_length = max_length
@@ -125,13 +141,13 @@ class LeanBertEncoder:
             return None
 
     def _ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, truncation=True, max_length=self.max_length)["input_ids"]
+        return token_ids(self.tokenizer, text, self.max_length)
 
     def embed(self, text: str) -> np.ndarray:
         ids = torch.tensor(self._ids(text))
         with torch.inference_mode():
             vector = (self._traced(ids) if self._traced is not None else self.forward(ids)).numpy().astype(np.float32)
-        return vector / max(float(np.linalg.norm(vector)), 1e-12)
+        return unit(vector)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:

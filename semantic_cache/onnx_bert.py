@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from semantic_cache.lean_bert import layer_weights
+from semantic_cache.lean_bert import float_weights, layer_weights, token_ids, unit
 
 OPSET = 20  # LayerNormalization (17) and Gelu (20) as standard ops
 
@@ -28,9 +28,7 @@ def build_graph(bert) -> bytes:
     from onnx import TensorProto, checker, helper, numpy_helper
 
     config = bert.config
-    if config.model_type != "bert" or config.hidden_act != "gelu":
-        raise ValueError(f"not a plain BERT encoder: {config.model_type}/{config.hidden_act}")
-    weights = {k: v.detach().float().contiguous() for k, v in bert.state_dict().items()}
+    weights = float_weights(bert)
     hidden, heads, eps = config.hidden_size, config.num_attention_heads, config.layer_norm_eps
     nodes, initializers = [], []
 
@@ -84,9 +82,7 @@ def build_graph(bert) -> bytes:
 
 
 class OnnxBertEncoder:
-    """`LeanBertEncoder`'s interface (`embed`, `dtype`) over an onnxruntime session."""
-
-    dtype = "float32"
+    """`LeanBertEncoder.embed` over an onnxruntime session."""
 
     def __init__(self, bert, tokenizer, max_length: int) -> None:
         import onnxruntime as ort
@@ -105,6 +101,5 @@ class OnnxBertEncoder:
         self.max_length = max_length
 
     def embed(self, text: str) -> np.ndarray:
-        ids = self.tokenizer(text, truncation=True, max_length=self.max_length)["input_ids"]
-        vector = self.session.run(None, {"ids": np.asarray(ids, dtype=np.int64)})[0]
-        return vector / max(float(np.linalg.norm(vector)), 1e-12)
+        ids = np.asarray(token_ids(self.tokenizer, text, self.max_length), dtype=np.int64)
+        return unit(self.session.run(None, {"ids": ids})[0])

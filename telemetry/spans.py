@@ -38,11 +38,11 @@ WAKE_AT = 256  # requests' spans queued (~5-12 each) that wake the export thread
 # the GIL back between them. Held for a whole batch (~15 ms), the event loop waits out Python's
 # 5 ms switch interval again and again: cache-hit throughput fell 11% in a probe, at ~2% CPU.
 SLICE = 16
+MAX_QUEUE = 4096  # requests' spans waiting; past that new ones are dropped (counted, logged), never piled up
 
 
 def _yield_gil() -> None:
     time.sleep(0)  # releases the GIL: a thread waiting for it (the event loop) may take it
-MAX_QUEUE = 4096  # requests' spans waiting; past that new ones are dropped (counted, logged), never piled up
 
 
 class SpanData(NamedTuple):
