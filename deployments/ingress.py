@@ -14,6 +14,7 @@ from ray.serve.handle import DeploymentHandle
 
 from admission.sync import AdmissionSync
 from configs.schemas import AppArgs, EngineConfig
+from deployments.channel import ChannelError, ChannelPool
 from deployments.transport import over
 from engines.model_store import resolve_model_dir
 from engines.niceness import ahead_of_compute
@@ -66,7 +67,8 @@ class ServeModelStream:
 
 
 class HandleBackends:
-    """The pipeline's view of the other deployments, over Ray handles."""
+    """The pipeline's view of the other deployments, over Ray handles; cache lookups and writes
+    over a side channel where a cache replica shares this node (deployments/channel.py)."""
 
     def __init__(
         self,
@@ -74,8 +76,10 @@ class HandleBackends:
         router: DeploymentHandle,
         models: dict[str, DeploymentHandle],
         write_timeout_s: float,
+        cache_channels: ChannelPool | None = None,
     ) -> None:
         self._cache = cache
+        self.cache_channels = cache_channels
         self._write_timeout_s = write_timeout_s
         self._router = router
         self._models = {model_id: h.options(stream=True) for model_id, h in models.items()}
@@ -83,13 +87,22 @@ class HandleBackends:
         self._pending: set[asyncio.Task] = set()
 
     async def cache_lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
-        return await self._cache.lookup.remote(key, scope, query)
+        return await self._cache_call("lookup", key, scope, query)
 
     async def cache_invalidate(self, tenant: str) -> int:
         return await self._cache.invalidate.remote(tenant)
 
     def cache_store(self, entry: CacheEntry) -> None:
-        self._fire(self._cache.store.remote(entry))
+        self._fire(self._cache_call("store", entry))
+
+    async def _cache_call(self, method: str, *args):
+        channel = self.cache_channels.pick() if self.cache_channels is not None else None
+        if channel is not None:
+            try:
+                return await channel.call(method, *args)
+            except ChannelError as exc:  # its replica went away mid-call: the handle finds a live one
+                log.warning("cache side channel failed (%s); over the handle instead", exc)
+        return await getattr(self._cache, method).remote(*args)
 
     def late_hint(self, model_id: str, request_id: str, hint_ids: list[int]) -> None:
         # With several model replicas it may reach one that is not running the request: there
@@ -149,11 +162,17 @@ class Ingress:
         if config.ingress.nice is not None:
             ahead_of_compute(config.ingress.nice, "Ingress")
         hop = config.handle_transport
+        channels = None
+        if config.cache.enabled and config.cache.channel:
+            import ray
+
+            channels = ChannelPool(ray.get_runtime_context().get_node_id())
         backends = HandleBackends(
             over(cache, hop),
             over(router, hop),
             {config.target.engine.model_id: over(target, hop), config.draft.engine.model_id: over(draft, hop)},
             write_timeout_s=config.ingress.stage_timeout_s,
+            cache_channels=channels,
         )
         embedder = None
         if config.router.kind == "classifier":
@@ -186,7 +205,9 @@ class Ingress:
         # Ready means every stage on the request path answers: /health says 503 until then, and
         # the first real request finds the handles' replica sets already known.
         self.pipeline.ready = False
-        self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats]))
+        self._warm_task = asyncio.create_task(
+            self._warm([cache.stats, target.stats, draft.stats], channels, over(cache, hop))
+        )
         self._direct = None
         if config.ingress.direct_port is not None:
             self._direct = DirectListener(build_api(self.pipeline), config.ingress.direct_host, config.ingress.direct_port)
@@ -195,6 +216,9 @@ class Ingress:
     def __del__(self) -> None:
         if getattr(self, "_direct", None) is not None:
             self._direct.stop()
+        backends = getattr(getattr(self, "pipeline", None), "backends", None)
+        if getattr(backends, "cache_channels", None) is not None:
+            backends.cache_channels.close()
 
     async def _gauges_forever(self, recorder: RequestMetrics) -> None:
         """Queue depth per model, once a second, off the request path."""
@@ -206,7 +230,23 @@ class Ingress:
                 pass
             await asyncio.sleep(1.0)
 
-    async def _warm(self, calls) -> None:
+    @staticmethod
+    async def _find_cache_channel(channels: ChannelPool, cache: DeploymentHandle) -> None:
+        """Ask the cache deployment where one of its replicas' side channel is, off the request
+        path. Serve picks the replica, so asking now and then finds them all, replacements and
+        new ones included."""
+        try:
+            if await channels.learn(await asyncio.wait_for(cache.channel.remote(), timeout=10)):
+                log.info("cache lookups on this node go over a side channel (%d known)", len(channels))
+        except Exception as exc:  # no channel for now: lookups take the handle
+            log.debug("asking for the cache's side channel: %r", exc)
+
+    async def _find_cache_channels_forever(self, channels: ChannelPool, cache: DeploymentHandle) -> None:
+        while True:
+            await asyncio.sleep(10.0 if len(channels) else 2.0)
+            await self._find_cache_channel(channels, cache)
+
+    async def _warm(self, calls, channels: ChannelPool | None, cache: DeploymentHandle) -> None:
         for call in calls:
             while True:
                 try:
@@ -214,6 +254,9 @@ class Ingress:
                     break
                 except Exception:
                     await asyncio.sleep(0.5)
+        if channels is not None:  # the first requests already take the side channel
+            await self._find_cache_channel(channels, cache)
+            self._channel_task = asyncio.create_task(self._find_cache_channels_forever(channels, cache))
         self.pipeline.ready = True
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -6,10 +6,12 @@ import asyncio
 import functools
 import logging
 
+import ray
 from ray import serve
 
 from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
+from deployments.channel import ChannelServer
 from engines.niceness import ahead_of_compute
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
@@ -78,8 +80,27 @@ class SemanticCache:
         self.cache = ResponseCache(config, store)
         self._indexing: asyncio.Future | None = None
         self._purge_task = asyncio.create_task(self._purge_forever(min(60.0, config.ttl_s / 4)))
+        # Lookups and writes on a Unix socket too, for ingresses on this node (deployments/channel.py).
+        self._doors = {"handle": 0, "channel": 0}
+        self._channel = None
+        if config.channel:
+            self._channel = await ChannelServer({"lookup": self._channel_lookup, "store": self.store}).start()
+
+    async def channel(self) -> dict | None:
+        """Where an ingress on this node can reach `lookup` and `store` without the handle."""
+        if self._channel is None:
+            return None
+        return {"node_id": ray.get_runtime_context().get_node_id(), "path": self._channel.path}
+
+    async def _channel_lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
+        self._doors["channel"] += 1
+        return await self._lookup(key, scope, query)
 
     async def lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
+        self._doors["handle"] += 1
+        return await self._lookup(key, scope, query)
+
+    async def _lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
         embed = self.embedder.embed_async if self.embedder is not None else None
         return await self.cache.lookup(key, scope, query, embed)
 
@@ -97,7 +118,12 @@ class SemanticCache:
         if (e := self.embedder) is not None:  # which pass the lookups run, and why (measured at load)
             embedding = {"embed_precision": e.precision, "embed_bf16_check": e.bf16_check,
                          "embed_runtime": e.runtime, "embed_onnx_check": e.onnx_check}
-        return {**self.cache.stats(), **embedding}
+        lookups_by = {"lookups_by_handle": self._doors["handle"], "lookups_by_channel": self._doors["channel"]}
+        return {**self.cache.stats(), **embedding, **lookups_by}
+
+    def __del__(self) -> None:
+        if getattr(self, "_channel", None) is not None:
+            self._channel.close()
 
     async def _purge_forever(self, every_s: float) -> None:
         while True:

@@ -22,6 +22,7 @@ def _text(raw) -> str:
 
 def test_paraphrase_is_a_semantic_hit_replayed_as_a_stream(service):
     client = service.openai(api_key="sk-tenant-para")
+    before = service.model_stats("SemanticCache")
     first = _ask(client, "What is the capital of France?")
     assert first.headers["x-cache"] == "miss"
     para = _ask(client, "Which city is the capital of France?")
@@ -37,6 +38,11 @@ def test_paraphrase_is_a_semantic_hit_replayed_as_a_stream(service):
     )
     pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
     assert len(pieces) > 1 and "".join(pieces) == _text(first)
+    # The ingress shares the cache replica's node: its lookups took the side channel, not the
+    # handle (deployments/channel.py), and a hit came back through it all the same.
+    after = service.model_stats("SemanticCache")
+    assert after["lookups_by_channel"] - before["lookups_by_channel"] >= 2, after
+    assert after["lookups_by_handle"] == before["lookups_by_handle"], after
 
 
 def test_tenant_b_never_gets_tenant_a_answer(service):

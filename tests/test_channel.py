@@ -1,0 +1,136 @@
+"""The same-node side channel (deployments/channel.py) over real Unix sockets, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from deployments.channel import ChannelClient, ChannelError, ChannelPool, ChannelServer, RemoteError
+from semantic_cache.cache import Lookup
+
+
+async def _slow_echo(value, delay_s: float):
+    await asyncio.sleep(delay_s)
+    return value
+
+
+async def _lookup(key, scope, query) -> Lookup:
+    return Lookup("miss", reason="no_match", vector=np.arange(4, dtype=np.float32))
+
+
+async def _broken(*_):
+    raise ValueError("bad input")
+
+
+def test_calls_share_one_connection_and_answer_out_of_order():
+    async def scenario():
+        server = await ChannelServer({"echo": _slow_echo, "lookup": _lookup, "broken": _broken}).start()
+        try:
+            assert stat.S_IMODE(os.stat(os.path.dirname(server.path)).st_mode) == 0o700  # this user only
+            client = await ChannelClient(server.path).connect()
+            # The slow call goes first and ends last: each answer finds its own caller.
+            slow = asyncio.ensure_future(client.call("echo", "slow", 0.2))
+            await asyncio.sleep(0.01)
+            assert client.in_flight == 1
+            fast = await asyncio.gather(*(client.call("echo", i, 0.0) for i in range(20)))
+            assert fast == list(range(20)) and not slow.done()
+            assert await slow == "slow"
+            found = await client.call("lookup", "k", "scope", "q")  # the real reply type, numpy inside
+            assert found.outcome == "miss" and found.vector.tolist() == [0, 1, 2, 3]
+            # An error at the other end is the caller's, and the channel goes on.
+            with pytest.raises(RemoteError, match="ValueError: bad input"):
+                await client.call("broken")
+            with pytest.raises(RemoteError, match="KeyError"):
+                await client.call("no_such_method")
+            assert await client.call("echo", "after", 0.0) == "after" and not client.broken
+            client.close()
+        finally:
+            server.close()
+        assert not os.path.exists(server.path)
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_server_fails_pending_calls_and_the_pool_drops_it():
+    async def scenario():
+        server = await ChannelServer({"echo": _slow_echo}).start()
+        other = await ChannelServer({"echo": _slow_echo}).start()
+        pool = ChannelPool(node_id="node-a")
+        try:
+            assert not await pool.learn(None)  # the replica has no channel
+            assert not await pool.learn({"node_id": "node-b", "path": server.path})  # another node's
+            assert await pool.learn({"node_id": "node-a", "path": server.path})
+            assert not await pool.learn({"node_id": "node-a", "path": server.path})  # already known
+            assert await pool.learn({"node_id": "node-a", "path": other.path})
+            assert len(pool) == 2
+            busy = pool.pick()
+            pending = asyncio.ensure_future(busy.call("echo", "never", 30))
+            await asyncio.sleep(0.05)
+            assert pool.pick() is not busy  # the one with fewer calls in flight
+
+            # The busy replica goes away: its pending call fails at once (not at a timeout)
+            # with ChannelError, which callers take as "try the handle".
+            (server if busy.path == server.path else other).close()
+            with pytest.raises(ChannelError):
+                await asyncio.wait_for(pending, timeout=5)
+            assert busy.broken and len(pool) == 1
+            with pytest.raises(ChannelError):
+                await busy.call("echo", 1, 0.0)
+            survivor = pool.pick()
+            assert survivor is not busy and await survivor.call("echo", "ok", 0.0) == "ok"
+            # A socket that is gone is not learned.
+            assert not await pool.learn({"node_id": "node-a", "path": server.path + ".gone"})
+        finally:
+            pool.close()
+            server.close()
+            other.close()
+
+    asyncio.run(scenario())
+
+
+class _FakeMethod:
+    def __init__(self, answer) -> None:
+        self.answer, self.calls = answer, 0
+
+    def remote(self, *args):
+        self.calls += 1
+
+        async def answer():
+            return self.answer
+
+        return answer()
+
+
+class _FakeCacheHandle:
+    def __init__(self) -> None:
+        self.lookup = _FakeMethod(Lookup("miss", reason="over_the_handle"))
+
+
+def test_ingress_falls_back_to_the_handle_when_the_channel_goes():
+    from deployments.ingress import HandleBackends
+
+    servers: list[ChannelServer] = []
+
+    async def hang_up(key, scope, query):
+        servers[0].close()  # the replica goes away mid-call
+        await asyncio.sleep(30)
+
+    async def scenario():
+        server = await ChannelServer({"lookup": hang_up}).start()
+        servers.append(server)
+        pool = ChannelPool(node_id="n")
+        await pool.learn({"node_id": "n", "path": server.path})
+        handle = _FakeCacheHandle()
+        backends = HandleBackends(handle, router=None, models={}, write_timeout_s=1.0, cache_channels=pool)
+        found = await asyncio.wait_for(backends.cache_lookup("k", "s", "q"), timeout=5)
+        assert found.reason == "over_the_handle" and handle.lookup.calls == 1
+        assert len(pool) == 0  # later lookups go straight to the handle
+        assert (await backends.cache_lookup("k", "s", "q")).reason == "over_the_handle"
+        assert handle.lookup.calls == 2
+        pool.close()
+
+    asyncio.run(scenario())
