@@ -19,7 +19,7 @@ from bench.service import OFFLINE_ENV
 
 SUITES = {
     "stack": "bench.stack",  # engine direct vs the whole graph; per-hop cost
-    "hops": "bench.hops",  # one handle hop, replica to replica: actor call vs gRPC, side by side
+    "hops": "bench.hops",  # one hop, replica to replica: actor call vs gRPC vs the side channel, side by side
     "overhead": "bench.overhead",  # stack vs engine TTFT/ITL with the per-stage split; tracing's throughput cost
     "spec": "bench.spec",  # speculative decoding vs target-alone vs HF assisted generation
     "cache": "bench.cache",  # semantic cache: precision/recall, hit latency over HTTP, store, near-miss drafts
