@@ -3,8 +3,9 @@
     HTTP body ─► validate (400/413), cache key
               ─► a repeat this replica answered lately: answer now (no tokenizer, no hop)
               ─► cache lookup ║ tokenize once (400 if it can't fit) ║ routing
-                   lookup = one hop to the SemanticCache: exact match; on a miss, the MiniLM
-                            embedding (made there, once per request) and the Qdrant search
+                   lookup = one hop to the SemanticCache (a Unix socket on its node): exact match;
+                            on a miss, the MiniLM embedding (made there, once per request) and
+                            the Qdrant search
                    routing = rules, then the difficulty classifier on the embedding the lookup
                              brought back, its threshold shifted by live load (in-process)
               ─► tenant rate limits (429 + Retry-After), in-process
