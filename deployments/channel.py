@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!I")
 
+# Past this many calls in flight on a channel, callers take the handle, where Serve's own
+# limits (max_ongoing_requests, max_queued_requests) apply: the socket itself queues without end.
+MAX_IN_FLIGHT = 128
+
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
@@ -165,10 +169,12 @@ class ChannelPool:
 
     `learn` takes what a replica's `channel()` method said (over the handle, off the request
     path); `pick` gives the live channel with the fewest calls in flight, or None (use the
-    handle). A replica that went away breaks its connection and drops out here."""
+    handle): none known, or all at `max_in_flight`. A replica that went away breaks its
+    connection and drops out here."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self.node_id = node_id
+        self.max_in_flight = max_in_flight
         self._clients: dict[str, ChannelClient] = {}  # by socket path
 
     async def learn(self, where: dict | None) -> bool:
@@ -188,7 +194,8 @@ class ChannelPool:
             del self._clients[path]
         if not self._clients:
             return None
-        return min(self._clients.values(), key=lambda c: c.in_flight)
+        least = min(self._clients.values(), key=lambda c: c.in_flight)
+        return least if least.in_flight < self.max_in_flight else None
 
     def __len__(self) -> int:
         return sum(not c.broken for c in self._clients.values())

@@ -59,7 +59,7 @@ def test_a_lost_server_fails_pending_calls_and_the_pool_drops_it():
     async def scenario():
         server = await ChannelServer({"echo": _slow_echo}).start()
         other = await ChannelServer({"echo": _slow_echo}).start()
-        pool = ChannelPool(node_id="node-a")
+        pool = ChannelPool(node_id="node-a", max_in_flight=2)
         try:
             assert not await pool.learn(None)  # the replica has no channel
             assert not await pool.learn({"node_id": "node-b", "path": server.path})  # another node's
@@ -70,7 +70,15 @@ def test_a_lost_server_fails_pending_calls_and_the_pool_drops_it():
             busy = pool.pick()
             pending = asyncio.ensure_future(busy.call("echo", "never", 30))
             await asyncio.sleep(0.05)
-            assert pool.pick() is not busy  # the one with fewer calls in flight
+            idle = pool.pick()
+            assert idle is not busy  # the one with fewer calls in flight
+            extra = [asyncio.ensure_future(c.call("echo", "never", 30)) for c in (idle, idle, busy)]
+            await asyncio.sleep(0.05)
+            assert pool.pick() is None  # both at max_in_flight (2): the caller takes the handle
+            for call in extra:
+                call.cancel()
+            await asyncio.sleep(0.05)
+            assert pool.pick() is idle
 
             # The busy replica goes away: its pending call fails at once (not at a timeout)
             # with ChannelError, which callers take as "try the handle".
