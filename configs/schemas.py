@@ -182,6 +182,11 @@ class ModelStageConfig(_Strict):
 
     engine: EngineConfig
     speculative: SpeculativeConfig = SpeculativeConfig()
+    channel: bool = Field(
+        False, description="an ingress on this replica's node streams from it over a Unix socket while the "
+        "deployment has one running replica (deployments/channel.py); those calls skip Serve's router, queue "
+        "limits and ongoing-requests count, so leave it off where the deployment autoscales",
+    )
 
     @model_validator(mode="after")
     def _vllm_speculates_itself(self) -> "ModelStageConfig":

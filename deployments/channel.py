@@ -15,6 +15,7 @@ scales and health-checks the replica: the channel is only another door to the sa
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import os
@@ -22,7 +23,7 @@ import pickle
 import shutil
 import struct
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -44,15 +45,19 @@ def _frame(obj: Any) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-class ChannelServer:
-    """Serves `methods` (name -> async function) on a Unix socket until `close()`."""
+_CANCEL = "__cancel__"  # a call's name that cancels the call with that id
 
-    def __init__(self, methods: dict[str, Callable[..., Awaitable[Any]]]) -> None:
+
+class ChannelServer:
+    """Serves `methods` (name -> async function, or async generator function for a stream) on
+    a Unix socket until `close()`. A caller that hangs up cancels its calls still running (a
+    stream's generator is closed, as Serve closes it when its caller goes)."""
+
+    def __init__(self, methods: dict[str, Callable[..., Any]]) -> None:
         self._methods = methods
         self._dir = tempfile.mkdtemp(prefix="ls-chan-")  # mkdtemp makes it 0700
         self.path = os.path.join(self._dir, "s")
         self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> "ChannelServer":
@@ -61,24 +66,40 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        calls: dict[int, asyncio.Task] = {}
         try:
             while True:
                 call_id, name, args = await _read_frame(reader)
+                if name == _CANCEL:
+                    if (task := calls.get(call_id)) is not None:
+                        task.cancel()
+                    continue
                 task = asyncio.ensure_future(self._answer(writer, call_id, name, args))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                calls[call_id] = task
+                task.add_done_callback(lambda _, call_id=call_id: calls.pop(call_id, None))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             self._writers.discard(writer)
+            for task in list(calls.values()):
+                task.cancel()
             writer.close()
 
     async def _answer(self, writer: asyncio.StreamWriter, call_id: int, name: str, args: tuple) -> None:
         try:
-            method = self._methods[name]
-            reply = (call_id, None, await method(*args))
+            result = self._methods[name](*args)
+            if inspect.isasyncgen(result):
+                try:
+                    async for item in result:
+                        writer.write(_frame((call_id, "item", item)))
+                        await writer.drain()  # a caller that stopped reading holds the stream here
+                finally:
+                    await result.aclose()
+                reply = (call_id, "end", None)
+            else:
+                reply = (call_id, "ok", await result)
         except Exception as exc:  # the caller raises it (RemoteError); the channel goes on
-            reply = (call_id, f"{type(exc).__name__}: {exc}", None)
+            reply = (call_id, "error", f"{type(exc).__name__}: {exc}")
         if not writer.is_closing():
             writer.write(_frame(reply))
 
@@ -99,13 +120,42 @@ class RemoteError(RuntimeError):
     """The call ran and raised at the other end (its type and message, as text)."""
 
 
+class ChannelStream:
+    """The items of one streamed call, as an async iterator; `cancel()` stops it at the other end."""
+
+    def __init__(self, client: "ChannelClient", call_id: int, items: asyncio.Queue) -> None:
+        self._client, self._call_id, self._items = client, call_id, items
+        self._done = False
+
+    def __aiter__(self) -> "ChannelStream":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._done:
+            raise StopAsyncIteration
+        kind, payload = await self._items.get()
+        if kind == "item":
+            return payload
+        self._done = True
+        self._client._waiting.pop(self._call_id, None)
+        if kind == "end":
+            raise StopAsyncIteration
+        raise RemoteError(payload) if kind == "error" else ChannelError(payload)
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._client._waiting.pop(self._call_id, None)
+            self._client._send((self._call_id, _CANCEL, ()))
+
+
 class ChannelClient:
-    """One connection to a `ChannelServer`; `call` is safe from many tasks at once."""
+    """One connection to a `ChannelServer`; `call` and `stream` are safe from many tasks at once."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, asyncio.Future | asyncio.Queue] = {}  # a call's future, a stream's queue
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self.broken = False
@@ -118,23 +168,30 @@ class ChannelClient:
     async def _read_forever(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                call_id, error, result = await _read_frame(reader)
-                future = self._waiting.pop(call_id, None)
-                if future is None or future.done():
-                    continue
-                if error is not None:
-                    future.set_exception(RemoteError(error))
-                else:
-                    future.set_result(result)
+                call_id, kind, payload = await _read_frame(reader)
+                waiting = self._waiting.get(call_id)
+                if isinstance(waiting, asyncio.Queue):
+                    waiting.put_nowait((kind, payload))
+                elif waiting is not None:
+                    del self._waiting[call_id]
+                    if waiting.done():
+                        continue
+                    if kind == "error":
+                        waiting.set_exception(RemoteError(payload))
+                    else:
+                        waiting.set_result(payload)
         except Exception as exc:
             self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         self.broken = True
         waiting, self._waiting = self._waiting, {}
-        for future in waiting.values():
-            if not future.done():
-                future.set_exception(ChannelError(f"channel to {self.path} lost: {exc!r}"))
+        why = f"channel to {self.path} lost: {exc!r}"
+        for target in waiting.values():
+            if isinstance(target, asyncio.Queue):
+                target.put_nowait(("lost", why))
+            elif not target.done():
+                target.set_exception(ChannelError(why))
         if self._writer is not None:
             self._writer.close()
 
@@ -142,21 +199,36 @@ class ChannelClient:
     def in_flight(self) -> int:
         return len(self._waiting)
 
-    async def call(self, name: str, *args: Any) -> Any:
+    def _send(self, frame: tuple) -> None:
         if self.broken or self._writer is None:
             raise ChannelError(f"channel to {self.path} is closed")
+        try:
+            self._writer.write(_frame(frame))
+        except (OSError, RuntimeError) as exc:  # the transport closed under us
+            self._fail(exc)
+            raise ChannelError(f"channel to {self.path} lost: {exc!r}") from exc
+
+    async def call(self, name: str, *args: Any) -> Any:
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = future
         try:
-            try:
-                self._writer.write(_frame((call_id, name, args)))
-            except (OSError, RuntimeError) as exc:  # the transport closed under us
-                self._fail(exc)
-                raise ChannelError(f"channel to {self.path} lost: {exc!r}") from exc
+            self._send((call_id, name, args))
             return await future
         finally:
             self._waiting.pop(call_id, None)
+
+    def stream(self, name: str, *args: Any) -> ChannelStream:
+        """Start a streamed call now; raises ChannelError if the connection is gone."""
+        call_id = next(self._ids)
+        items: asyncio.Queue = asyncio.Queue()
+        self._waiting[call_id] = items
+        try:
+            self._send((call_id, name, args))
+        except ChannelError:
+            self._waiting.pop(call_id, None)
+            raise
+        return ChannelStream(self, call_id, items)
 
     def close(self) -> None:
         if self._reader_task is not None:
@@ -175,6 +247,7 @@ class ChannelPool:
     def __init__(self, node_id: str, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self.node_id = node_id
         self.max_in_flight = max_in_flight
+        self.enabled = True  # False: pick() gives None, the callers take the handle
         self._clients: dict[str, ChannelClient] = {}  # by socket path
 
     async def learn(self, where: dict | None) -> bool:
@@ -192,7 +265,7 @@ class ChannelPool:
     def pick(self) -> ChannelClient | None:
         for path in [p for p, c in self._clients.items() if c.broken]:
             del self._clients[path]
-        if not self._clients:
+        if not self._clients or not self.enabled:
             return None
         least = min(self._clients.values(), key=lambda c: c.in_flight)
         return least if least.in_flight < self.max_in_flight else None

@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 
+import ray
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -14,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from admission.sync import AdmissionSync
 from configs.schemas import AppArgs, EngineConfig
-from deployments.channel import ChannelError, ChannelPool
+from deployments.channel import ChannelClient, ChannelError, ChannelPool, ChannelStream
 from deployments.transport import over
 from engines.model_store import resolve_model_dir
 from engines.niceness import ahead_of_compute
@@ -66,6 +67,29 @@ class ServeModelStream:
             log.debug("cancelling a call to %s: %s", self._model_id, type(exc).__name__)
 
 
+class ChannelModelStream:
+    """A model call over a side channel, as the pipeline's `ModelStream`. A lost connection
+    raises ChannelError, which the pipeline takes as a dead replica (retried once, over the
+    handle, if nothing reached the client)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: ChannelStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> "ChannelModelStream":
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        return await self._stream.__anext__()
+
+    def cancel(self) -> None:
+        try:
+            self._stream.cancel()
+        except ChannelError:
+            pass  # the connection is gone, and with it the call
+
+
 class HandleBackends:
     """The pipeline's view of the other deployments, over Ray handles; cache lookups and writes
     over a side channel where a cache replica shares this node (deployments/channel.py)."""
@@ -77,9 +101,11 @@ class HandleBackends:
         models: dict[str, DeploymentHandle],
         write_timeout_s: float,
         cache_channels: ChannelPool | None = None,
+        model_channels: dict[str, ChannelPool] | None = None,
     ) -> None:
         self._cache = cache
         self.cache_channels = cache_channels
+        self.model_channels = model_channels or {}
         self._write_timeout_s = write_timeout_s
         self._router = router
         self._models = {model_id: h.options(stream=True) for model_id, h in models.items()}
@@ -107,7 +133,15 @@ class HandleBackends:
     def late_hint(self, model_id: str, request_id: str, hint_ids: list[int]) -> None:
         # With several model replicas it may reach one that is not running the request: there
         # it is dropped, and the request only decodes without the hint.
-        self._fire(self._unary[model_id].late_hint.remote(request_id, hint_ids))
+        channel = self._model_channel(model_id)
+        if channel is not None:
+            self._fire(channel.call("late_hint", request_id, hint_ids))
+        else:
+            self._fire(self._unary[model_id].late_hint.remote(request_id, hint_ids))
+
+    def _model_channel(self, model_id: str) -> ChannelClient | None:
+        pool = self.model_channels.get(model_id)
+        return pool.pick() if pool is not None else None
 
     def _fire(self, response) -> None:
         # Fire and forget, but keep a reference so the call is not garbage-collected mid-flight.
@@ -119,6 +153,12 @@ class HandleBackends:
         return await self._router.route.remote(features)
 
     def generate(self, model_id: str, request: GenerateRequest) -> ModelStream:
+        channel = self._model_channel(model_id)
+        if channel is not None:
+            try:
+                return ChannelModelStream(channel.stream("generate", request))
+            except ChannelError:
+                pass  # gone since it was picked: the handle
         return ServeModelStream(self._models[model_id].generate.remote(request), model_id)
 
     async def _await(self, response) -> None:
@@ -126,6 +166,13 @@ class HandleBackends:
             await asyncio.wait_for(response, self._write_timeout_s)  # a stuck cache holds nothing here
         except Exception:
             pass  # a lost cache write costs a future miss, a lost hint a slower decode; nothing more
+
+
+async def _running_replicas(deployment: str) -> int:
+    """How many replicas of `deployment` (in this replica's app) Serve says are running."""
+    app = serve.get_replica_context().app_name
+    status = await asyncio.get_running_loop().run_in_executor(None, serve.status)  # a controller call
+    return int(status.applications[app].deployments[deployment].replica_states.get("RUNNING", 0))
 
 
 def _prompt_builders(args: AppArgs) -> dict[str, PromptBuilder]:
@@ -162,17 +209,28 @@ class Ingress:
         if config.ingress.nice is not None:
             ahead_of_compute(config.ingress.nice, "Ingress")
         hop = config.handle_transport
-        channels = None
+        # Side channels (deployments/channel.py) to replicas on this node: found off the
+        # request path by _find_channels_forever, used while they answer.
+        node_id = ray.get_runtime_context().get_node_id()
+        finding: list[tuple[ChannelPool, DeploymentHandle, str | None]] = []
+        cache_channels = None
         if config.cache.enabled and config.cache.channel:
-            import ray
-
-            channels = ChannelPool(ray.get_runtime_context().get_node_id())
+            cache_channels = ChannelPool(node_id)
+            finding.append((cache_channels, over(cache, hop), None))  # any number of cache replicas
+        model_channels = {}
+        for stage, handle, name in ((config.target, target, "TargetModel"), (config.draft, draft, "DraftModel")):
+            if stage.channel:
+                # Only while the model has one replica: with more, Serve's router places each
+                # call (prefix affinity, queue lengths) and the handle goes there.
+                model_channels[stage.engine.model_id] = pool = ChannelPool(node_id, max_in_flight=64)
+                finding.append((pool, over(handle, hop), name))
         backends = HandleBackends(
             over(cache, hop),
             over(router, hop),
             {config.target.engine.model_id: over(target, hop), config.draft.engine.model_id: over(draft, hop)},
             write_timeout_s=config.ingress.stage_timeout_s,
-            cache_channels=channels,
+            cache_channels=cache_channels,
+            model_channels=model_channels,
         )
         embedder = None
         if config.router.kind == "classifier":
@@ -205,9 +263,7 @@ class Ingress:
         # Ready means every stage on the request path answers: /health says 503 until then, and
         # the first real request finds the handles' replica sets already known.
         self.pipeline.ready = False
-        self._warm_task = asyncio.create_task(
-            self._warm([cache.stats, target.stats, draft.stats], channels, over(cache, hop))
-        )
+        self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats], finding))
         self._direct = None
         if config.ingress.direct_port is not None:
             self._direct = DirectListener(build_api(self.pipeline), config.ingress.direct_host, config.ingress.direct_port)
@@ -217,8 +273,10 @@ class Ingress:
         if getattr(self, "_direct", None) is not None:
             self._direct.stop()
         backends = getattr(getattr(self, "pipeline", None), "backends", None)
-        if getattr(backends, "cache_channels", None) is not None:
-            backends.cache_channels.close()
+        if backends is not None:
+            for pool in [backends.cache_channels, *backends.model_channels.values()]:
+                if pool is not None:
+                    pool.close()
 
     async def _gauges_forever(self, recorder: RequestMetrics) -> None:
         """Queue depth per model, once a second, off the request path."""
@@ -231,22 +289,26 @@ class Ingress:
             await asyncio.sleep(1.0)
 
     @staticmethod
-    async def _find_cache_channel(channels: ChannelPool, cache: DeploymentHandle) -> None:
-        """Ask the cache deployment where one of its replicas' side channel is, off the request
-        path. Serve picks the replica, so asking now and then finds them all, replacements and
-        new ones included."""
+    async def _find_channel(pool: ChannelPool, handle: DeploymentHandle, sole: str | None) -> None:
+        """Ask a deployment where one of its replicas' side channel is, off the request path.
+        Serve picks the replica, so asking now and then finds them all, replacements and new
+        ones included. `sole`: a deployment name whose channels serve only while it runs one
+        replica (Serve's status, asked here too)."""
         try:
-            if await channels.learn(await asyncio.wait_for(cache.channel.remote(), timeout=10)):
-                log.info("cache lookups on this node go over a side channel (%d known)", len(channels))
-        except Exception as exc:  # no channel for now: lookups take the handle
-            log.debug("asking for the cache's side channel: %r", exc)
+            if sole is not None:
+                pool.enabled = await asyncio.wait_for(_running_replicas(sole), timeout=10) == 1
+            if await pool.learn(await asyncio.wait_for(handle.channel.remote(), timeout=10)):
+                log.info("calls to %s on this node go over a side channel (%d known)", sole or "the cache", len(pool))
+        except Exception as exc:  # no channel for now: calls take the handle
+            log.debug("asking for a side channel: %r", exc)
 
-    async def _find_cache_channels_forever(self, channels: ChannelPool, cache: DeploymentHandle) -> None:
+    async def _find_channels_forever(self, finding) -> None:
         while True:
-            await asyncio.sleep(10.0 if len(channels) else 2.0)
-            await self._find_cache_channel(channels, cache)
+            await asyncio.sleep(10.0 if all(len(pool) for pool, _, _ in finding) else 2.0)
+            for pool, handle, sole in finding:
+                await self._find_channel(pool, handle, sole)
 
-    async def _warm(self, calls, channels: ChannelPool | None, cache: DeploymentHandle) -> None:
+    async def _warm(self, calls, finding: list[tuple[ChannelPool, DeploymentHandle, str | None]]) -> None:
         for call in calls:
             while True:
                 try:
@@ -254,9 +316,10 @@ class Ingress:
                     break
                 except Exception:
                     await asyncio.sleep(0.5)
-        if channels is not None:  # the first requests already take the side channel
-            await self._find_cache_channel(channels, cache)
-            self._channel_task = asyncio.create_task(self._find_cache_channels_forever(channels, cache))
+        if finding:  # the first requests already take the side channels
+            for pool, handle, sole in finding:
+                await self._find_channel(pool, handle, sole)
+            self._channel_task = asyncio.create_task(self._find_channels_forever(finding))
         self.pipeline.ready = True
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -7,11 +7,13 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
+import ray
 import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from configs.schemas import ModelStageConfig, TelemetryConfig
+from deployments.channel import ChannelServer
 from deployments.transport import over
 from draft.remote import DraftSessions, RemoteDraft
 from engines.factory import build_service
@@ -45,6 +47,25 @@ class _ModelDeployment:
             self._replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (unit use)
             self._replica_id = f"pid-{os.getpid()}"
+        self._channel = None  # generate and late_hint on a Unix socket too, for ingresses on this node
+        if config.channel:
+            methods = {"generate": self._channel_generate, "late_hint": self.late_hint}
+            self._channel = await ChannelServer(methods).start()
+        self._channel_streams = 0
+
+    async def channel(self) -> dict | None:
+        """Where an ingress on this node can stream from this replica without the handle."""
+        if self._channel is None:
+            return None
+        return {"node_id": ray.get_runtime_context().get_node_id(), "path": self._channel.path}
+
+    def __del__(self) -> None:
+        if getattr(self, "_channel", None) is not None:
+            self._channel.close()
+
+    def _channel_generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self._channel_streams += 1
+        return self.generate(request)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         traced = ModelCallTrace(self._tracer, request.trace, self._model_id) if self._tracer and request.trace else None
@@ -92,7 +113,7 @@ class _ModelDeployment:
         return self.service.late_hint(request_id, hint_ids)
 
     async def stats(self) -> dict[str, float]:
-        return self.service.snapshot()
+        return {**self.service.snapshot(), "generate_by_channel": self._channel_streams}
 
 
 @serve.deployment(name="TargetModel")
@@ -128,9 +149,9 @@ class DraftModel(_ModelDeployment):
 
     async def stats(self) -> dict[str, float]:
         if self.sessions is None:
-            return self.service.snapshot()
+            return await super().stats()
         return {
-            **self.service.snapshot(),
+            **(await super().stats()),
             "draft_sessions_recomputed": self.sessions.recomputed,
             "draft_sessions_open": len(self.sessions),  # 0 when idle: every request ends its session
             "draft_proposals": self.sessions.proposals,

@@ -1012,8 +1012,9 @@ def _validate(schema: type[BaseModel], body: Any) -> Any:
 
 
 # Ray's "the actor is gone" errors, by name so this module needs no Ray: RayActorError and its
-# ActorDiedError, and ActorUnavailableError (unreachable, being replaced).
-_REPLICA_GONE = {"RayActorError", "ActorDiedError", "ActorUnavailableError"}
+# ActorDiedError, and ActorUnavailableError (unreachable, being replaced); and ChannelError, a
+# same-node replica's side channel hung up (deployments/channel.py).
+_REPLICA_GONE = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "ChannelError"}
 
 
 def _replica_gone(exc: BaseException) -> bool:

@@ -142,3 +142,55 @@ def test_ingress_falls_back_to_the_handle_when_the_channel_goes():
         pool.close()
 
     asyncio.run(scenario())
+
+
+def test_streams_end_fail_and_cancel_at_the_other_end():
+    closed: list[str] = []
+
+    async def count(n: int, fail_at: int | None = None, delay_s: float = 0.0):
+        try:
+            for i in range(n):
+                if i == fail_at:
+                    raise RuntimeError(f"failed at {i}")
+                await asyncio.sleep(delay_s)
+                yield i
+        finally:
+            closed.append(f"{n}/{fail_at}")  # the generator was closed at the other end
+
+    async def scenario():
+        server = await ChannelServer({"count": count}).start()
+        client = await ChannelClient(server.path).connect()
+        try:
+            assert [i async for i in client.stream("count", 5)] == [0, 1, 2, 3, 4]
+            assert client.in_flight == 0
+            got = []
+            with pytest.raises(RemoteError, match="failed at 2"):
+                async for i in client.stream("count", 5, 2):
+                    got.append(i)
+            assert got == [0, 1]
+            # Two streams at once on one connection; one is cancelled after its first item: its
+            # generator is closed there (the model would free its slot), the other goes on.
+            slow = client.stream("count", 1000, None, 0.01)
+            other = client.stream("count", 3, None, 0.02)
+            assert await slow.__anext__() == 0
+            slow.cancel()
+            assert [i async for i in other] == [0, 1, 2]
+            for _ in range(50):
+                if "1000/None" in closed:
+                    break
+                await asyncio.sleep(0.01)
+            assert "1000/None" in closed and client.in_flight == 0
+            # The connection goes mid-stream: the next item is a ChannelError, not a hang.
+            lost = client.stream("count", 1000, None, 0.01)
+            assert await lost.__anext__() == 0
+            server.close()
+            with pytest.raises(ChannelError):
+                while True:
+                    await asyncio.wait_for(lost.__anext__(), timeout=5)
+            with pytest.raises(ChannelError):
+                client.stream("count", 1)
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(scenario())
