@@ -172,6 +172,8 @@ class ChannelClient:
                 waiting = self._waiting.get(call_id)
                 if isinstance(waiting, asyncio.Queue):
                     waiting.put_nowait((kind, payload))
+                    if kind != "item":  # over: not in flight, even if no one reads this far
+                        del self._waiting[call_id]
                 elif waiting is not None:
                     del self._waiting[call_id]
                     if waiting.done():

@@ -23,6 +23,7 @@ def _text(raw) -> str:
 def test_paraphrase_is_a_semantic_hit_replayed_as_a_stream(service):
     client = service.openai(api_key="sk-tenant-para")
     before = service.model_stats("SemanticCache")
+    streams_before = service.model_stats("TargetModel")["generate_by_channel"]
     first = _ask(client, "What is the capital of France?")
     assert first.headers["x-cache"] == "miss"
     para = _ask(client, "Which city is the capital of France?")
@@ -43,6 +44,8 @@ def test_paraphrase_is_a_semantic_hit_replayed_as_a_stream(service):
     after = service.model_stats("SemanticCache")
     assert after["lookups_by_channel"] - before["lookups_by_channel"] >= 2, after
     assert after["lookups_by_handle"] == before["lookups_by_handle"], after
+    # So did the miss's model call (target.channel: the model runs one replica, on this node).
+    assert service.model_stats("TargetModel")["generate_by_channel"] > streams_before
 
 
 def test_tenant_b_never_gets_tenant_a_answer(service):

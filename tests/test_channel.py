@@ -163,6 +163,15 @@ def test_streams_end_fail_and_cancel_at_the_other_end():
         try:
             assert [i async for i in client.stream("count", 5)] == [0, 1, 2, 3, 4]
             assert client.in_flight == 0
+            # A caller that stops at the last item it needs (a chunk with a finish reason) and
+            # never reads the end: once the end arrives, the call is no longer in flight.
+            unread = client.stream("count", 1)
+            assert await unread.__anext__() == 0
+            for _ in range(50):
+                if client.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert client.in_flight == 0
             got = []
             with pytest.raises(RemoteError, match="failed at 2"):
                 async for i in client.stream("count", 5, 2):
