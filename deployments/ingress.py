@@ -168,11 +168,14 @@ class HandleBackends:
             pass  # a lost cache write costs a future miss, a lost hint a slower decode; nothing more
 
 
-async def _running_replicas(deployment: str) -> int:
-    """How many replicas of `deployment` (in this replica's app) Serve says are running."""
+async def _sole_replica(deployment: str) -> bool:
+    """Whether Serve says `deployment` (in this replica's app) is healthy with one running
+    replica: not scaling, not starting a second."""
     app = serve.get_replica_context().app_name
     status = await asyncio.get_running_loop().run_in_executor(None, serve.status)  # a controller call
-    return int(status.applications[app].deployments[deployment].replica_states.get("RUNNING", 0))
+    state = status.applications[app].deployments[deployment]
+    healthy = getattr(state.status, "value", state.status) == "HEALTHY"
+    return healthy and sum(state.replica_states.values()) == 1
 
 
 def _prompt_builders(args: AppArgs) -> dict[str, PromptBuilder]:
@@ -296,7 +299,7 @@ class Ingress:
         replica (Serve's status, asked here too)."""
         try:
             if sole is not None:
-                pool.enabled = await asyncio.wait_for(_running_replicas(sole), timeout=10) == 1
+                pool.enabled = await asyncio.wait_for(_sole_replica(sole), timeout=10)
             if await pool.learn(await asyncio.wait_for(handle.channel.remote(), timeout=10)):
                 log.info("calls to %s on this node go over a side channel (%d known)", sole or "the cache", len(pool))
         except Exception as exc:  # no channel for now: calls take the handle
