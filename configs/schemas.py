@@ -184,8 +184,8 @@ class ModelStageConfig(_Strict):
     speculative: SpeculativeConfig = SpeculativeConfig()
     channel: bool = Field(
         False, description="an ingress on this replica's node streams from it over a Unix socket while the "
-        "deployment has one running replica (deployments/channel.py); those calls skip Serve's router, queue "
-        "limits and ongoing-requests count, so leave it off where the deployment autoscales",
+        "deployment has one replica and no autoscaling_config (deployments/channel.py); those calls skip Serve's "
+        "router, queue limits and ongoing-requests count",
     )
 
     @model_validator(mode="after")
@@ -315,8 +315,8 @@ class CacheConfig(_Strict):
     )
     channel: bool = Field(
         True, description="ingresses on the cache replica's node look up over a Unix socket beside the handle "
-        "(deployments/channel.py: ~7 ms less per miss beside a prefill here); those lookups are not in Serve's "
-        "ongoing-requests count, so set false to autoscale SemanticCache on it",
+        "(deployments/channel.py: ~7 ms less per miss beside a prefill here); not while SemanticCache "
+        "autoscales (Serve scales on the calls it sees)",
     )
     semantic: SemanticConfig = SemanticConfig()
 

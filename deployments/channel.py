@@ -238,6 +238,24 @@ class ChannelClient:
         self._fail(ConnectionError("closed"))
 
 
+def offer(path: str | None) -> dict | None:
+    """What a replica's `channel()` method answers: where its socket is, or None when it has
+    none or its deployment autoscales (Serve scales on the calls it sees, and these it would
+    not). Read at every ask, so an in-place config change turns the channel off too."""
+    if path is None:
+        return None
+    import ray
+    from ray import serve
+
+    try:
+        config = getattr(serve.get_replica_context(), "_deployment_config", None)
+    except Exception:  # outside a replica (unit use)
+        config = None
+    if getattr(config, "autoscaling_config", None) is not None:
+        return None
+    return {"node_id": ray.get_runtime_context().get_node_id(), "path": path}
+
+
 class ChannelPool:
     """The side channels one caller knows of, to the replicas of one deployment on its node.
 

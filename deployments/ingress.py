@@ -298,9 +298,12 @@ class Ingress:
         ones included. `sole`: a deployment name whose channels serve only while it runs one
         replica (Serve's status, asked here too)."""
         try:
-            if sole is not None:
+            where = await asyncio.wait_for(handle.channel.remote(), timeout=10)
+            # None: no channel, or the deployment autoscales now (deployments/channel.py:offer)
+            pool.enabled = where is not None
+            if sole is not None and pool.enabled:
                 pool.enabled = await asyncio.wait_for(_sole_replica(sole), timeout=10)
-            if await pool.learn(await asyncio.wait_for(handle.channel.remote(), timeout=10)):
+            if await pool.learn(where):
                 log.info("calls to %s on this node go over a side channel (%d known)", sole or "the cache", len(pool))
         except Exception as exc:  # no channel for now: calls take the handle
             log.debug("asking for a side channel: %r", exc)

@@ -7,13 +7,12 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
-import ray
 import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from configs.schemas import ModelStageConfig, TelemetryConfig
-from deployments.channel import ChannelServer
+from deployments.channel import ChannelServer, offer
 from deployments.transport import over
 from draft.remote import DraftSessions, RemoteDraft
 from engines.factory import build_service
@@ -55,9 +54,7 @@ class _ModelDeployment:
 
     async def channel(self) -> dict | None:
         """Where an ingress on this node can stream from this replica without the handle."""
-        if self._channel is None:
-            return None
-        return {"node_id": ray.get_runtime_context().get_node_id(), "path": self._channel.path}
+        return offer(self._channel.path if self._channel is not None else None)
 
     def __del__(self) -> None:
         if getattr(self, "_channel", None) is not None:

@@ -6,12 +6,11 @@ import asyncio
 import functools
 import logging
 
-import ray
 from ray import serve
 
 from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
-from deployments.channel import ChannelServer
+from deployments.channel import ChannelServer, offer
 from engines.niceness import ahead_of_compute
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
@@ -88,9 +87,7 @@ class SemanticCache:
 
     async def channel(self) -> dict | None:
         """Where an ingress on this node can reach `lookup` and `store` without the handle."""
-        if self._channel is None:
-            return None
-        return {"node_id": ray.get_runtime_context().get_node_id(), "path": self._channel.path}
+        return offer(self._channel.path if self._channel is not None else None)
 
     async def _channel_lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
         self._doors["channel"] += 1

@@ -203,3 +203,27 @@ def test_streams_end_fail_and_cancel_at_the_other_end():
             server.close()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_whose_deployment_autoscales_offers_no_channel(monkeypatch):
+    """Serve autoscales on the calls it sees; calls over the channel it would not see."""
+    from types import SimpleNamespace
+
+    from ray import serve
+    from ray.serve.context import ReplicaContext
+
+    from deployments.channel import offer
+
+    # offer() reads the replica context's deployment config: a Ray upgrade that renames it
+    # must fail here, not turn the check off silently.
+    assert "_deployment_config" in ReplicaContext.__dataclass_fields__
+
+    def context(autoscaling):
+        return SimpleNamespace(_deployment_config=SimpleNamespace(autoscaling_config=autoscaling))
+
+    monkeypatch.setattr("ray.get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
+    monkeypatch.setattr(serve, "get_replica_context", lambda: context(None))
+    assert offer("/tmp/x/s") == {"node_id": "node-a", "path": "/tmp/x/s"}
+    assert offer(None) is None
+    monkeypatch.setattr(serve, "get_replica_context", lambda: context({"min_replicas": 1, "max_replicas": 4}))
+    assert offer("/tmp/x/s") is None
