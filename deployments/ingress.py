@@ -91,8 +91,9 @@ class ChannelModelStream:
 
 
 class HandleBackends:
-    """The pipeline's view of the other deployments, over Ray handles; cache lookups and writes
-    over a side channel where a cache replica shares this node (deployments/channel.py)."""
+    """The pipeline's view of the other deployments, over Ray handles; cache calls and model
+    calls over a side channel where one to a replica on this node is known and open
+    (deployments/channel.py), the handle otherwise."""
 
     def __init__(
         self,
