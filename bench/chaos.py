@@ -12,7 +12,8 @@ Every request the load sends ends in exactly one bucket:
   The bar is 0.
 
 Four closed-loop clients; each honors a 429/503's Retry-After (up to 5 s) before its next
-request, as the openai SDK does.
+request, as the openai SDK does, and waits 0.5 s after a broken or refused connection (the
+SDK's first retry backoff) instead of hammering a port nothing listens on.
 
 A fault is `ray.kill` on one replica actor (what a crashed process or a lost node looks like to
 Serve). The suite waits until Serve has a healthy replacement, then settles before the next.
@@ -31,6 +32,8 @@ import httpx
 from bench.service import running_service
 from bench.stats import summary
 from configs.serve_config import load_serve_config
+
+CONNECTION_BACKOFF_S = 0.5
 
 STAGES = ["SemanticCache", "AdmissionController", "Router", "DraftModel", "TargetModel", "Ingress"]
 QUESTIONS = [
@@ -101,7 +104,7 @@ async def _one(client: httpx.AsyncClient, body: dict, headers: dict) -> tuple[st
     except httpx.TimeoutException as exc:  # a hang: the worst outcome
         return "lost", f"client_timeout:{type(exc).__name__}", 0.0
     except (httpx.TransportError, httpx.StreamError) as exc:  # the connection broke: the client knows
-        return "failed_abruptly", f"connection:{type(exc).__name__}", 0.0
+        return "failed_abruptly", f"connection:{type(exc).__name__}", CONNECTION_BACKOFF_S
     except json.JSONDecodeError:
         return "lost", "unparseable_body", 0.0
 
