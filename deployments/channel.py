@@ -59,6 +59,8 @@ class ChannelServer:
         self.path = os.path.join(self._dir, "s")
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._running: set[asyncio.Task] = set()  # every connection's calls
+        self._draining = False
 
     async def start(self) -> "ChannelServer":
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
@@ -74,9 +76,13 @@ class ChannelServer:
                     if (task := calls.get(call_id)) is not None:
                         task.cancel()
                     continue
+                if self._draining:  # the caller takes another way (the handle) and stops coming here
+                    writer.write(_frame((call_id, "refused", "the replica is shutting down")))
+                    continue
                 task = asyncio.ensure_future(self._answer(writer, call_id, name, args))
                 calls[call_id] = task
-                task.add_done_callback(lambda _, call_id=call_id: calls.pop(call_id, None))
+                self._running.add(task)
+                task.add_done_callback(lambda t, call_id=call_id: (calls.pop(call_id, None), self._running.discard(t)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -102,6 +108,17 @@ class ChannelServer:
             reply = (call_id, "error", f"{type(exc).__name__}: {exc}")
         if not writer.is_closing():
             writer.write(_frame(reply))
+
+    async def drain(self, timeout_s: float) -> None:
+        """For a graceful shutdown: refuse new calls, give those running up to `timeout_s` to
+        finish (a stream that already sent tokens ends whole, as Serve drains its own), then
+        close. Serve awaits this from the replica's `__del__`."""
+        self._draining = True
+        if self._server is not None:
+            self._server.close()
+        if running := [t for t in self._running if not t.done()]:
+            await asyncio.wait(running, timeout=timeout_s)
+        self.close()
 
     def close(self) -> None:
         """Stop listening and hang up on every caller (their pending calls fail at once)."""
@@ -140,7 +157,7 @@ class ChannelStream:
         self._client._waiting.pop(self._call_id, None)
         if kind == "end":
             raise StopAsyncIteration
-        raise RemoteError(payload) if kind == "error" else ChannelError(payload)
+        raise RemoteError(payload) if kind == "error" else ChannelError(payload)  # lost, refused
 
     def cancel(self) -> None:
         if not self._done:
@@ -158,7 +175,8 @@ class ChannelClient:
         self._waiting: dict[int, asyncio.Future | asyncio.Queue] = {}  # a call's future, a stream's queue
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
-        self.broken = False
+        self.broken = False  # the connection is gone
+        self.retired = False  # the replica refused a call: it is shutting down
 
     async def connect(self) -> "ChannelClient":
         reader, self._writer = await asyncio.open_unix_connection(self.path)
@@ -170,6 +188,8 @@ class ChannelClient:
             while True:
                 call_id, kind, payload = await _read_frame(reader)
                 waiting = self._waiting.get(call_id)
+                if kind == "refused":
+                    self.retired = True  # pick() passes it by from now on; calls in flight go on
                 if isinstance(waiting, asyncio.Queue):
                     waiting.put_nowait((kind, payload))
                     if kind != "item":  # over: not in flight, even if no one reads this far
@@ -180,6 +200,8 @@ class ChannelClient:
                         continue
                     if kind == "error":
                         waiting.set_exception(RemoteError(payload))
+                    elif kind == "refused":
+                        waiting.set_exception(ChannelError(payload))
                     else:
                         waiting.set_result(payload)
         except Exception as exc:
@@ -238,6 +260,20 @@ class ChannelClient:
         self._fail(ConnectionError("closed"))
 
 
+def shut(server: ChannelServer | None, drain_s: float):
+    """What a replica's `__del__` returns for its channel. Serve calls `__del__` on the
+    replica's loop at a graceful shutdown and awaits a coroutine it returns: the drain.
+    Without a running loop (the process is going) the socket just closes."""
+    if server is None:
+        return None
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        server.close()
+        return None
+    return server.drain(drain_s)
+
+
 def offer(path: str | None) -> dict | None:
     """What a replica's `channel()` method answers: where its socket is, or None when it has
     none or its deployment autoscales (Serve scales on the calls it sees, and these it would
@@ -283,7 +319,7 @@ class ChannelPool:
         return True
 
     def pick(self) -> ChannelClient | None:
-        for path in [p for p, c in self._clients.items() if c.broken]:
+        for path in [p for p, c in self._clients.items() if c.broken or c.retired]:
             del self._clients[path]
         if not self._clients or not self.enabled:
             return None
@@ -291,7 +327,7 @@ class ChannelPool:
         return least if least.in_flight < self.max_in_flight else None
 
     def __len__(self) -> int:
-        return sum(not c.broken for c in self._clients.values())
+        return sum(not (c.broken or c.retired) for c in self._clients.values())
 
     def close(self) -> None:
         for client in self._clients.values():

@@ -12,7 +12,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from configs.schemas import ModelStageConfig, TelemetryConfig
-from deployments.channel import ChannelServer, offer
+from deployments.channel import ChannelServer, offer, shut
 from deployments.transport import over
 from draft.remote import DraftSessions, RemoteDraft
 from engines.factory import build_service
@@ -56,9 +56,11 @@ class _ModelDeployment:
         """Where an ingress on this node can stream from this replica without the handle."""
         return offer(self._channel.path if self._channel is not None else None)
 
-    def __del__(self) -> None:
-        if getattr(self, "_channel", None) is not None:
-            self._channel.close()
+    def __del__(self):
+        # Serve's graceful shutdown has drained the calls it saw; streams on the channel get
+        # up to 15 s more to end whole (Serve's own default bound is 20 s in all).
+        channel, self._channel = getattr(self, "_channel", None), None
+        return shut(channel, drain_s=15.0)
 
     def _channel_generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self._channel_streams += 1

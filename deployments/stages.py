@@ -10,7 +10,7 @@ from ray import serve
 
 from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
 from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
-from deployments.channel import ChannelServer, offer
+from deployments.channel import ChannelServer, offer, shut
 from engines.niceness import ahead_of_compute
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
@@ -118,9 +118,9 @@ class SemanticCache:
         lookups_by = {"lookups_by_handle": self._doors["handle"], "lookups_by_channel": self._doors["channel"]}
         return {**self.cache.stats(), **embedding, **lookups_by}
 
-    def __del__(self) -> None:
-        if getattr(self, "_channel", None) is not None:
-            self._channel.close()
+    def __del__(self):
+        channel, self._channel = getattr(self, "_channel", None), None
+        return shut(channel, drain_s=2.0)  # lookups in flight finish (deployments/channel.py)
 
     async def _purge_forever(self, every_s: float) -> None:
         while True:

@@ -227,3 +227,41 @@ def test_a_replica_whose_deployment_autoscales_offers_no_channel(monkeypatch):
     assert offer(None) is None
     monkeypatch.setattr(serve, "get_replica_context", lambda: context({"min_replicas": 1, "max_replicas": 4}))
     assert offer("/tmp/x/s") is None
+
+
+def test_a_draining_replica_finishes_its_streams_and_refuses_new_calls():
+    """A graceful shutdown (Serve awaits what the replica's __del__ returns): streams under way
+    end whole, a new call is refused with ChannelError (the caller takes the handle), and the
+    pool passes that replica by from then on."""
+    from deployments.channel import shut
+
+    async def count(n: int, delay_s: float):
+        for i in range(n):
+            await asyncio.sleep(delay_s)
+            yield i
+
+    async def scenario():
+        server = await ChannelServer({"count": count}).start()
+        pool = ChannelPool(node_id="n")
+        await pool.learn({"node_id": "n", "path": server.path})
+        client = pool.pick()
+        running = client.stream("count", 10, 0.02)
+        assert await running.__anext__() == 0
+        draining = asyncio.ensure_future(shut(server, drain_s=5.0))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ChannelError, match="shutting down"):
+            await client.stream("count", 1, 0.0).__anext__()
+        assert pool.pick() is None and len(pool) == 0  # retired: new calls take the handle
+        assert [i async for i in running] == list(range(1, 10))  # the stream under way ended whole
+        await asyncio.wait_for(draining, timeout=5)
+        assert not os.path.exists(server.path)
+        pool.close()
+
+    asyncio.run(scenario())
+
+    # Without a running loop (the process is going), the socket just closes.
+    async def make():
+        return await ChannelServer({"count": count}).start()
+
+    server = asyncio.run(make())
+    assert shut(server, drain_s=5.0) is None and not os.path.exists(server.path)
