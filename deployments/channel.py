@@ -145,7 +145,10 @@ class RemoteError(RuntimeError):
 
 
 class ChannelStream:
-    """The items of one streamed call, as an async iterator; `cancel()` stops it at the other end."""
+    """The items of one streamed call, as an async iterator; `cancel()` stops it at the other end.
+    It is the ingress pipeline's `ModelStream` as it stands: a lost connection raises
+    ChannelError, which the pipeline takes as a dead replica (retried once, over the handle, if
+    nothing reached the client)."""
 
     def __init__(self, client: "ChannelClient", call_id: int, items: asyncio.Queue) -> None:
         self._client, self._call_id, self._items = client, call_id, items
@@ -167,10 +170,14 @@ class ChannelStream:
         raise RemoteError(payload) if kind == "error" else ChannelError(payload)  # lost, refused
 
     def cancel(self) -> None:
+        """Never raises: with the connection gone, the call is gone at the other end too."""
         if not self._done:
             self._done = True
             self._client._waiting.pop(self._call_id, None)
-            self._client._send((self._call_id, _CANCEL, ()))
+            try:
+                self._client._send((self._call_id, _CANCEL, ()))
+            except ChannelError:
+                pass
 
 
 class ChannelClient:

@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from admission.sync import AdmissionSync
 from configs.schemas import AppArgs, EngineConfig
-from deployments.channel import ChannelClient, ChannelError, ChannelPool, ChannelStream
+from deployments.channel import ChannelClient, ChannelError, ChannelPool
 from deployments.transport import over
 from engines.model_store import resolve_model_dir
 from engines.niceness import ahead_of_compute
@@ -65,29 +65,6 @@ class ServeModelStream:
             self._response.cancel()
         except Exception as exc:
             log.debug("cancelling a call to %s: %s", self._model_id, type(exc).__name__)
-
-
-class ChannelModelStream:
-    """A model call over a side channel, as the pipeline's `ModelStream`. A lost connection
-    raises ChannelError, which the pipeline takes as a dead replica (retried once, over the
-    handle, if nothing reached the client)."""
-
-    __slots__ = ("_stream",)
-
-    def __init__(self, stream: ChannelStream) -> None:
-        self._stream = stream
-
-    def __aiter__(self) -> "ChannelModelStream":
-        return self
-
-    async def __anext__(self) -> GenerateChunk:
-        return await self._stream.__anext__()
-
-    def cancel(self) -> None:
-        try:
-            self._stream.cancel()
-        except ChannelError:
-            pass  # the connection is gone, and with it the call
 
 
 class HandleBackends:
@@ -157,7 +134,7 @@ class HandleBackends:
         channel = self._model_channel(model_id)
         if channel is not None:
             try:
-                return ChannelModelStream(channel.stream("generate", request))
+                return channel.stream("generate", request)
             except ChannelError:
                 pass  # gone since it was picked: the handle
         return ServeModelStream(self._models[model_id].generate.remote(request), model_id)
@@ -169,14 +146,15 @@ class HandleBackends:
             pass  # a lost cache write costs a future miss, a lost hint a slower decode; nothing more
 
 
-async def _sole_replica(deployment: str) -> bool:
-    """Whether Serve says `deployment` (in this replica's app) is healthy with one running
-    replica: not scaling, not starting a second."""
+async def _sole_replicas() -> set[str]:
+    """The deployments of this replica's app that Serve says are healthy with one replica (in
+    any state: not scaling, not starting a second). One controller call."""
     app = serve.get_replica_context().app_name
-    status = await asyncio.get_running_loop().run_in_executor(None, serve.status)  # a controller call
-    state = status.applications[app].deployments[deployment]
-    healthy = getattr(state.status, "value", state.status) == "HEALTHY"
-    return healthy and sum(state.replica_states.values()) == 1
+    status = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, serve.status), timeout=10)
+    return {
+        name for name, state in status.applications[app].deployments.items()
+        if getattr(state.status, "value", state.status) == "HEALTHY" and sum(state.replica_states.values()) == 1
+    }
 
 
 def _prompt_builders(args: AppArgs) -> dict[str, PromptBuilder]:
@@ -214,7 +192,7 @@ class Ingress:
             ahead_of_compute(config.ingress.nice, "Ingress")
         hop = config.handle_transport
         # Side channels (deployments/channel.py) to replicas on this node: found off the
-        # request path by _find_channels_forever, used while they answer.
+        # request path by _find_channels, used while they answer.
         node_id = ray.get_runtime_context().get_node_id()
         finding: list[tuple[ChannelPool, DeploymentHandle, str | None]] = []
         cache_channels = None
@@ -293,27 +271,29 @@ class Ingress:
             await asyncio.sleep(1.0)
 
     @staticmethod
-    async def _find_channel(pool: ChannelPool, handle: DeploymentHandle, sole: str | None) -> None:
-        """Ask a deployment where one of its replicas' side channel is, off the request path.
-        Serve picks the replica, so asking now and then finds them all, replacements and new
-        ones included. `sole`: a deployment name whose channels serve only while it runs one
-        replica (Serve's status, asked here too)."""
-        try:
-            where = await asyncio.wait_for(handle.channel.remote(), timeout=10)
-            # None: no channel, or the deployment autoscales now (deployments/channel.py:offer)
-            pool.enabled = where is not None
-            if sole is not None and pool.enabled:
-                pool.enabled = await asyncio.wait_for(_sole_replica(sole), timeout=10)
-            if await pool.learn(where):
-                log.info("calls to %s on this node go over a side channel (%d known)", sole or "the cache", len(pool))
-        except Exception as exc:  # no channel for now: calls take the handle
-            log.debug("asking for a side channel: %r", exc)
+    async def _find_channels(finding: list[tuple[ChannelPool, DeploymentHandle, str | None]]) -> None:
+        """Ask each deployment where one of its replicas' side channel is, off the request
+        path. Serve picks the replica, so asking now and then finds them all, replacements and
+        new ones included. A pool named with a deployment (the models) serves only while Serve
+        says that deployment has one replica (asked once a round, for all)."""
+        sole: set[str] | None = None
+        for pool, handle, name in finding:
+            try:
+                where = await asyncio.wait_for(handle.channel.remote(), timeout=10)
+                # None: no channel, or the deployment autoscales now (deployments/channel.py:offer)
+                pool.enabled = where is not None
+                if name is not None and pool.enabled:
+                    sole = await _sole_replicas() if sole is None else sole
+                    pool.enabled = name in sole
+                if await pool.learn(where):
+                    log.info("calls to %s on this node go over a side channel (%d known)", name or "the cache", len(pool))
+            except Exception as exc:  # no channel for now: calls take the handle
+                log.debug("asking for a side channel: %r", exc)
 
     async def _find_channels_forever(self, finding) -> None:
         while True:
             await asyncio.sleep(10.0 if all(len(pool) for pool, _, _ in finding) else 2.0)
-            for pool, handle, sole in finding:
-                await self._find_channel(pool, handle, sole)
+            await self._find_channels(finding)
 
     async def _warm(self, calls, finding: list[tuple[ChannelPool, DeploymentHandle, str | None]]) -> None:
         for call in calls:
@@ -324,8 +304,7 @@ class Ingress:
                 except Exception:
                     await asyncio.sleep(0.5)
         if finding:  # the first requests already take the side channels
-            for pool, handle, sole in finding:
-                await self._find_channel(pool, handle, sole)
+            await self._find_channels(finding)
             self._channel_task = asyncio.create_task(self._find_channels_forever(finding))
         self.pipeline.ready = True
 

@@ -47,10 +47,10 @@ class _ModelDeployment:
         except Exception:  # outside Serve (unit use)
             self._replica_id = f"pid-{os.getpid()}"
         self._channel = None  # generate and late_hint on a Unix socket too, for ingresses on this node
+        self._channel_streams = 0
         if config.channel:
             methods = {"generate": self._channel_generate, "late_hint": self.late_hint}
             self._channel = await ChannelServer(methods).start()
-        self._channel_streams = 0
 
     async def channel(self) -> dict | None:
         """Where an ingress on this node can stream from this replica without the handle."""
