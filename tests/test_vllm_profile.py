@@ -15,9 +15,10 @@ from pydantic import ValidationError
 from configs.schemas import ModelStageConfig, VLLMConfig
 from configs.serve_config import load_serve_config
 from engines.types import GenerateRequest, SamplingParams
-from engines.vllm_service import engine_args, sampling_params
+from engines.vllm_service import cpu_flags, engine_args, resolve_dtype, sampling_params
 
 GPU_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml"
+CPU_PROFILE = GPU_PROFILE.with_name("cpu-vllm.yaml")
 
 
 def test_gpu_profile_validates_and_puts_every_model_on_a_gpu():
@@ -52,6 +53,23 @@ def test_engine_args_and_sampling_map_one_to_one():
     params = SamplingParams(max_tokens=7, temperature=0.3, top_p=0.9, stop=("\n\n",), seed=11)
     assert sampling_params(params) == {"n": 1, "max_tokens": 7, "temperature": 0.3, "top_p": 0.9,
                                        "stop": ["\n\n"], "seed": 11}
+
+
+def test_auto_dtype_on_a_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively():
+    avx2_box = frozenset({"sse2", "avx", "avx2", "fma"})
+    amx_box = avx2_box | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
+    assert resolve_dtype("auto", on_cpu=True, flags=avx2_box) == "float32"
+    assert resolve_dtype("auto", on_cpu=True, flags=amx_box) == "bfloat16"
+    assert resolve_dtype("auto", on_cpu=True, flags=avx2_box | {"avx512_bf16"}) == "bfloat16"
+    assert resolve_dtype("auto", on_cpu=False, flags=avx2_box) == "auto", "on a GPU, vLLM's own choice"
+    assert resolve_dtype("float32", on_cpu=True, flags=amx_box) == "float32", "an explicit dtype is kept"
+    stage = load_serve_config(CPU_PROFILE).args.target
+    assert stage.engine.vllm.dtype == "auto"
+    assert engine_args(stage, on_cpu=True, flags=avx2_box)["dtype"] == "float32"
+    assert engine_args(stage, on_cpu=True, flags=amx_box)["dtype"] == "bfloat16"
+    assert engine_args(load_serve_config(GPU_PROFILE).args.target)["dtype"] == "bfloat16"
+    if Path("/proc/cpuinfo").exists() and os.uname().machine == "x86_64":
+        assert "sse2" in cpu_flags(), "this CPU's flags, read off /proc/cpuinfo"
 
 
 def test_vllm_knobs_are_validated():
