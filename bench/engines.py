@@ -124,10 +124,9 @@ def _dtype_of(stage: ModelStageConfig) -> str:
     """The dtype the stage's engine computes in (vLLM's `auto` resolved as VLLMService does)."""
     if stage.engine.kind != "vllm":
         return stage.engine.dtype
-    from engines.vllm_service import cpu_flags, resolve_dtype
+    from engines.vllm_service import resolve_dtype
 
-    on_cpu = _device().startswith("cpu")
-    return resolve_dtype(stage.engine.vllm.dtype, on_cpu, cpu_flags() if on_cpu else frozenset())
+    return resolve_dtype(stage.engine.vllm.dtype, on_cpu=_device().startswith("cpu"))
 
 
 async def _alone(service, prompts: list[list[int]], engine: str, dtype: str, max_tokens: int,

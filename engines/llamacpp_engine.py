@@ -31,19 +31,12 @@ import torch
 from configs.schemas import EngineConfig
 from engines.base import Engine, Sequence
 from engines.cores import CoreShare
+from engines.cpu_features import cpu_has_amx
 from engines.model_store import package_dir, requantized_gguf, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 PREFILL_MIN_TOKENS = 16  # shorter runs: the KV copies would cost more than the faster kernels save
-
-
-def cpu_has_amx() -> bool:
-    """Intel AMX tiles (Sapphire Rapids and later), from the kernel's CPU flags."""
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
 
 
 @contextmanager

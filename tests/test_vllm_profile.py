@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from configs.schemas import ModelStageConfig, VLLMConfig
 from configs.serve_config import load_serve_config
 from engines.types import GenerateRequest, SamplingParams
-from engines.vllm_service import cpu_flags, engine_args, resolve_dtype, sampling_params
+from engines.cpu_features import cpu_flags
+from engines.vllm_service import engine_args, resolve_dtype, sampling_params
 
 GPU_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml"
 CPU_PROFILE = GPU_PROFILE.with_name("cpu-vllm.yaml")

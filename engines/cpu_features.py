@@ -1,0 +1,30 @@
+"""What this CPU computes natively, from the kernel's CPU flags (Linux /proc/cpuinfo).
+
+Engines pick kernels by it: llama.cpp's AMX repack (`llamacpp_engine`), vLLM's dtype on a CPU
+(`vllm_service.resolve_dtype`). Read once per process; empty where /proc/cpuinfo is missing.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+# Features that compute bfloat16 in hardware (oneDNN's AMX and AVX512-BF16 kernels).
+NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (the first processor's; every core of a box has the same)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_amx() -> bool:
+    """Intel AMX tiles (Sapphire Rapids and later)."""
+    return "amx_tile" in cpu_flags()
