@@ -7,6 +7,7 @@ service-wide shares and the fleet's load in the background (admission/sync.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Literal, Mapping
 
 from admission.estimates import ServiceEstimates
@@ -27,7 +28,7 @@ DOWNGRADE_TTFT_HEADROOM = 1.5
 
 
 class AdmissionPolicy:
-    def __init__(self, config: AdmissionConfig) -> None:
+    def __init__(self, config: AdmissionConfig, own_buckets: Iterable[str] | None = None) -> None:
         self.config = config
         self.estimates = ServiceEstimates(
             config.prior_itl_ms, config.prior_prefill_ms_per_token, config.estimate_max_age_s,
@@ -37,7 +38,7 @@ class AdmissionPolicy:
             config.max_inflight, config.max_queued, config.retry_after_s, self.estimates, config.safety,
             ttft_tail_quantile=config.ttft_tail_quantile,
         )
-        self.limiter = TenantLimiter(config)
+        self.limiter = TenantLimiter(config, own_buckets=own_buckets)
         # model id -> (its deployment, sequences one replica holds): llama.cpp's KV contexts.
         self.seats_per_replica: dict[str, tuple[str, int]] = {}
         self.synced_at: float | None = None  # when the controller's view last arrived
@@ -74,19 +75,19 @@ class AdmissionPolicy:
             ctx.ttft_deadline = ctx.received + tier.ttft_ms / 1000
         return tier
 
+    def precheck_tenant(self, ctx: RequestContext) -> None:
+        """429 when the tenant has no request left now (charges nothing: `charge_tenant` does)."""
+        try:
+            self.limiter.precheck(ctx.tenant.split("/", 1)[0])
+        except OverLimit as over:
+            raise _over_limit(over, ctx) from None
+
     def charge_tenant(self, ctx: RequestContext, tokens: int) -> None:
         """429 when the tenant is over its request or token rate."""
         try:
             self.limiter.check(ctx.tenant.split("/", 1)[0], tokens)
         except OverLimit as over:
-            raise APIError(
-                429,
-                f"rate limit: this API key is over its {over.limit} rate ({over.rate:g}/s)",
-                code=f"rate_limit_{over.limit}",
-                headers={"Retry-After": str(over.retry_after_s)},
-                extra={"limit": over.limit, "rate_per_s": over.rate, "retry_after_s": over.retry_after_s,
-                       "tier": ctx.tier},
-            ) from None
+            raise _over_limit(over, ctx) from None
 
     def ticket(self, model_id: str, ctx: RequestContext, tier: TierConfig, prompt_tokens: int, max_tokens: int) -> Ticket:
         return Ticket(
@@ -195,3 +196,13 @@ def _shed(ticket: Ticket, rej: Rejection) -> APIError:
     if rej.predicted is not None:
         extra["predicted"] = rej.predicted.as_dict()
     return APIError(503, rej.message, code=rej.reason, headers={"Retry-After": str(rej.retry_after_s)}, extra=extra)
+
+
+def _over_limit(over: OverLimit, ctx: RequestContext) -> APIError:
+    return APIError(
+        429,
+        f"rate limit: this API key is over its {over.limit} rate ({over.rate:g}/s)",
+        code=f"rate_limit_{over.limit}",
+        headers={"Retry-After": str(over.retry_after_s)},
+        extra={"limit": over.limit, "rate_per_s": over.rate, "retry_after_s": over.retry_after_s, "tier": ctx.tier},
+    )

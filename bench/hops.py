@@ -28,8 +28,8 @@ class HopEcho:
     async def __init__(self) -> None:
         self._channel = await ChannelServer({"ping": self.ping}).start()
 
-    async def channel_path(self) -> str:
-        return self._channel.path
+    async def channel_address(self) -> tuple[str, bytes]:
+        return self._channel.path, self._channel.secret
 
     async def ping(self, payload: bytes) -> bytes:
         return payload
@@ -56,7 +56,7 @@ class HopCaller:
         if transport != "channel":
             return await self.unary_handles[transport].ping.remote(payload)
         if self._channel is None:  # both replicas run on this one node
-            self._channel = await ChannelClient(await self._echo.channel_path.remote()).connect()
+            self._channel = await ChannelClient(*await self._echo.channel_address.remote()).connect()
         return await self._channel.call("ping", payload)
 
     async def unary(self, requests: int, concurrency: int, payload_bytes: int = 256, block: int = 20) -> dict:

@@ -418,10 +418,21 @@ class AdmissionConfig(_Strict):
         return self.tenants.get(tenant_id) or self.tenants.get("default") or TenantLimits()
 
 
+class InputLimits(_Strict):
+    """What one request may ask of a replica; past any of these it gets a 400 that names the limit."""
+
+    max_messages: int = Field(1024, ge=1, description="messages in one chat request")
+    max_prompt_chars: int = Field(
+        400_000, ge=1, description="characters of message content (or of the prompt) in one request"
+    )
+    max_stop_chars: int = Field(256, ge=1, description="characters in one stop sequence")
+
+
 class IngressConfig(_Strict):
     served_model_ids: list[str] | None = Field(None, description="default: auto + every engine's model_id")
     nice: int | None = Field(0, ge=-20, le=19, description=_FRONT_NICE)
-    max_body_bytes: int = Field(1_048_576, ge=1024)
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="request body size (413 above it)")
+    limits: InputLimits = InputLimits()
     sampling: SamplingDefaults = SamplingDefaults()
     stage_timeout_s: float = Field(2.0, gt=0, description="cache/router call timeout; on expiry degrade, never fail")
     overlap_cache_lookup: bool | Literal["idle"] = Field(
@@ -442,6 +453,46 @@ class IngressConfig(_Strict):
         "Serve's proxy hop; None: only the proxy's port",
     )
     direct_host: str = Field("127.0.0.1", description="the direct listener's address (loopback unless fronted)")
+    send_timeout_s: float = Field(
+        30.0, gt=0, description="direct listener: a client that reads none of its response for this long is cut "
+        "(its model slot is already free once the model finished)",
+    )
+    drain_s: float = Field(
+        15.0, ge=0, description="direct listener: at a replica's graceful shutdown, how long requests under way "
+        "may take to finish (new connections go to the other replicas on the port)",
+    )
+    debug_timings: bool = Field(
+        False, description="every response's Server-Timing carries the engine's inner counts (prefix tokens "
+        "reused, jobs queued ahead); off: only admin keys see them, since they tell one tenant about another's prompts",
+    )
+
+
+class AuthConfig(_Strict):
+    """API keys. A key is named by its hash (`python -m admission.tenant KEY` prints it); the
+    keys themselves need not be written anywhere the config goes."""
+
+    required: bool = Field(
+        False, description="every /v1 request needs a listed key (401 otherwise); off: any key or none is "
+        "served, and keys not listed here or in admission.tenants share one rate-limit bucket",
+    )
+    api_keys: list[str] = Field(
+        default_factory=list, description="accepted keys, each `sha256:<hex>` (the key's hash) or the key itself"
+    )
+    admin_keys: list[str] = Field(
+        default_factory=list, description="keys that may also use admin routes (DELETE /v1/cache for any tenant) "
+        "and see engine-internal counts in Server-Timing; same forms as api_keys",
+    )
+    keys_env: str = Field(
+        "LATENCY_SERVE_API_KEYS", description="an environment variable of the ingress replicas: more api_keys, "
+        "comma-separated",
+    )
+    admin_keys_env: str = Field(
+        "LATENCY_SERVE_ADMIN_KEYS", description="an environment variable: more admin_keys, comma-separated"
+    )
+    keys_file: str | None = Field(
+        None, description="a file of more api_keys, one a line; `admin` after one (space-separated) makes it an "
+        "admin key; # starts a comment",
+    )
 
 
 class TracingConfig(_Strict):
@@ -477,6 +528,7 @@ class AppArgs(_Strict):
     cache: CacheConfig = CacheConfig()
     admission: AdmissionConfig = AdmissionConfig()
     ingress: IngressConfig = IngressConfig()
+    auth: AuthConfig = AuthConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     handle_transport: Literal["grpc", "actor"] = Field(
         "grpc",

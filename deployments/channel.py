@@ -11,8 +11,11 @@ to the same object.
 - Unary calls (a lookup, a cache write, a late hint) and streams (`generate`), many at once
   on one connection; answers come back by call id. A cancel frame closes a stream's generator
   at the other end, as Serve does when its caller goes.
-- The socket lives in a fresh 0700 directory, so only this user's processes can connect (the
-  frames are pickles, as Ray's own are).
+- Only the replica's callers get in: the socket lives in a fresh 0700 directory, the peer must
+  run as this user (SO_PEERCRED), and it must answer a challenge with an HMAC of the replica's
+  secret, which callers learn from `channel()` over the Serve handle. Frames are pickles of
+  the known message types only (`_Frames`: no other class is ever built from one) and at most
+  MAX_FRAME bytes, so a frame can't run code.
 - A caller uses the handle instead on another node, with no socket known yet, past
   `max_in_flight`, or where the deployment autoscales (`offer`): Serve scales on the calls
   it sees (`ChannelPool`).
@@ -22,12 +25,16 @@ to the same object.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import inspect
+import io
 import itertools
 import logging
 import os
 import pickle
 import shutil
+import socket
 import struct
 import tempfile
 from collections.abc import Callable
@@ -36,6 +43,29 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!I")
+MAX_FRAME = 16 << 20  # a prompt's ids, a cache entry: far below this
+HANDSHAKE_TIMEOUT_S = 5.0
+_NONCE = 32
+
+# The classes a frame may hold besides plain data: the calls' arguments and answers.
+_ALLOWED = {
+    ("engines.types", "GenerateRequest"), ("engines.types", "SamplingParams"), ("engines.types", "GenerateChunk"),
+    ("semantic_cache.cache", "CacheEntry"), ("semantic_cache.cache", "Lookup"),
+    ("semantic_cache.exact", "CachedResponse"),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"), ("numpy._core.numeric", "_frombuffer"),
+    ("numpy.core.numeric", "_frombuffer"), ("copyreg", "_reconstructor"), ("builtins", "object"),
+}
+
+
+class _Frames(pickle.Unpickler):
+    """Unpickles only the known message types: any other global in a frame is an error."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a side-channel frame may not hold {module}.{name}")
 
 # Past this many calls in flight on a channel, callers take the handle, where Serve's own
 # limits (max_ongoing_requests, max_queued_requests) apply: the socket itself queues without end.
@@ -44,7 +74,9 @@ MAX_IN_FLIGHT = 128
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    return pickle.loads(await reader.readexactly(size))
+    if size > MAX_FRAME:
+        raise ConnectionError(f"a {size}-byte frame is over the {MAX_FRAME}-byte limit")
+    return _Frames(io.BytesIO(await reader.readexactly(size))).load()
 
 
 def _frame(obj: Any) -> bytes:
@@ -62,6 +94,8 @@ class ChannelServer:
 
     def __init__(self, methods: dict[str, Callable[..., Any]]) -> None:
         self._methods = methods
+        self.secret = os.urandom(32)  # a caller proves it knows this (learned over the Serve handle)
+        self.refused = 0  # connections that failed the peer check or the challenge
         self._dir = tempfile.mkdtemp(prefix="ls-chan-")  # mkdtemp makes it 0700
         self.path = os.path.join(self._dir, "s")
         self._server: asyncio.AbstractServer | None = None
@@ -73,7 +107,27 @@ class ChannelServer:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
         return self
 
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """The peer runs as this user and answers the challenge with the secret's HMAC."""
+        sock = writer.get_extra_info("socket")
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                return False
+            nonce = os.urandom(_NONCE)
+            writer.write(nonce)
+            proof = await asyncio.wait_for(reader.readexactly(32), HANDSHAKE_TIMEOUT_S)
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            return False
+        return hmac.compare_digest(proof, _proof(self.secret, nonce))
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not await self._admit(reader, writer):
+            self.refused += 1
+            log.warning("side channel: refused a connection that failed the peer check")
+            writer.close()
+            return
         self._writers.add(writer)
         calls: dict[int, asyncio.Task] = {}
         try:
@@ -90,8 +144,8 @@ class ChannelServer:
                 calls[call_id] = task
                 self._running.add(task)
                 task.add_done_callback(lambda t, call_id=call_id: (calls.pop(call_id, None), self._running.discard(t)))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, pickle.UnpicklingError, ValueError, TypeError):
+            pass  # hung up, or sent what no caller of ours sends: the connection ends
         finally:
             self._writers.discard(writer)
             for task in list(calls.values()):
@@ -183,8 +237,9 @@ class ChannelStream:
 class ChannelClient:
     """One connection to a `ChannelServer`; `call` and `stream` are safe from many tasks at once."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, secret: bytes) -> None:
         self.path = path
+        self._secret = secret
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future | asyncio.Queue] = {}  # a call's future, a stream's queue
         self._writer: asyncio.StreamWriter | None = None
@@ -194,6 +249,12 @@ class ChannelClient:
 
     async def connect(self) -> "ChannelClient":
         reader, self._writer = await asyncio.open_unix_connection(self.path)
+        try:
+            nonce = await asyncio.wait_for(reader.readexactly(_NONCE), HANDSHAKE_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+            self._writer.close()
+            raise ConnectionError(f"side channel {self.path} sent no challenge") from exc
+        self._writer.write(_proof(self._secret, nonce))
         self._reader_task = asyncio.ensure_future(self._read_forever(reader))
         return self
 
@@ -274,6 +335,10 @@ class ChannelClient:
         self._fail(ConnectionError("closed"))
 
 
+def _proof(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, nonce, hashlib.sha256).digest()
+
+
 def shut(server: ChannelServer | None, drain_s: float):
     """What a replica's `__del__` returns for its channel. Serve calls `__del__` on the
     replica's loop at a graceful shutdown and awaits a coroutine it returns: the drain.
@@ -288,11 +353,12 @@ def shut(server: ChannelServer | None, drain_s: float):
     return server.drain(drain_s)
 
 
-def offer(path: str | None) -> dict | None:
-    """What a replica's `channel()` method answers: where its socket is, or None when it has
-    none or its deployment autoscales (Serve scales on the calls it sees, and these it would
-    not). Read at every ask, so an in-place config change turns the channel off too."""
-    if path is None:
+def offer(server: ChannelServer | None) -> dict | None:
+    """What a replica's `channel()` method answers: where its socket is and the secret that
+    opens it, or None when it has none or its deployment autoscales (Serve scales on the calls
+    it sees, and these it would not). Read at every ask, so an in-place config change turns
+    the channel off too."""
+    if server is None:
         return None
     import ray
     from ray import serve
@@ -303,7 +369,7 @@ def offer(path: str | None) -> dict | None:
         config = None
     if getattr(config, "autoscaling_config", None) is not None:
         return None
-    return {"node_id": ray.get_runtime_context().get_node_id(), "path": path}
+    return {"node_id": ray.get_runtime_context().get_node_id(), "path": server.path, "secret": server.secret.hex()}
 
 
 class ChannelPool:
@@ -325,8 +391,8 @@ class ChannelPool:
         if not where or where.get("node_id") != self.node_id or where.get("path") in self._clients:
             return False
         try:
-            client = await ChannelClient(where["path"]).connect()
-        except OSError as exc:  # gone since it answered, or a socket this user can't open
+            client = await ChannelClient(where["path"], bytes.fromhex(where["secret"])).connect()
+        except (OSError, KeyError, ValueError) as exc:  # gone since it answered, or a socket this user can't open
             log.warning("no side channel to %s: %r", where["path"], exc)
             return False
         self._clients[client.path] = client

@@ -248,10 +248,29 @@ class Ingress:
         self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats], finding))
         self._direct = None
         if config.ingress.direct_port is not None:
-            self._direct = DirectListener(build_api(self.pipeline), config.ingress.direct_host, config.ingress.direct_port)
+            self._direct = DirectListener(
+                build_api(self.pipeline), config.ingress.direct_host, config.ingress.direct_port,
+                send_timeout_s=config.ingress.send_timeout_s, drain_s=config.ingress.drain_s,
+            )
             self._direct.start()
+            self.pipeline.stalled_readers = lambda: self._direct.app.stalled
 
-    def __del__(self) -> None:
+    def __del__(self):
+        """At a graceful shutdown Serve awaits what this returns: the direct listener's drain
+        (Serve drains its own proxy's requests), then the side channels close."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the process is going: nothing to wait for
+            self._close()
+            return None
+        return self._drain()
+
+    async def _drain(self) -> None:
+        if getattr(self, "_direct", None) is not None:
+            await self._direct.drain()
+        self._close()
+
+    def _close(self) -> None:
         if getattr(self, "_direct", None) is not None:
             self._direct.stop()
         backends = getattr(getattr(self, "pipeline", None), "backends", None)

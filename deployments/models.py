@@ -54,7 +54,7 @@ class _ModelDeployment:
 
     async def channel(self) -> dict | None:
         """Where an ingress on this node can stream from this replica without the handle."""
-        return offer(self._channel.path if self._channel is not None else None)
+        return offer(self._channel)
 
     def __del__(self):
         # Serve's graceful shutdown has drained the calls it saw; streams on the channel get
@@ -131,14 +131,14 @@ class DraftModel(_ModelDeployment):
         self.sessions = DraftSessions(self.service.engine) if isinstance(self.service, ModelService) else None
 
     async def propose(
-        self, session_id: str, context: list[int], k: int, params: SamplingParams, seed: int
+        self, session_id: str, context: list[int], k: int, params: SamplingParams, seed: int, salt: int = 0
     ) -> tuple[list[int], torch.Tensor | None, float]:
         if self.sessions is None:
             return [], None, 0.0  # no draft here: the target decodes without one
         loop = asyncio.get_running_loop()
         # The same worker thread as generate(): one forward pass at a time in this replica.
         proposal = await loop.run_in_executor(
-            self.service.executor, self.sessions.propose, session_id, context, k, params, seed
+            self.service.executor, self.sessions.propose, session_id, context, k, params, seed, salt
         )
         return proposal.tokens, proposal.probs, proposal.marginal_ms
 

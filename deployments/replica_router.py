@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from engines.blocks import salt_root
 from engines.types import GenerateRequest
 from router.prefix_affinity import PrefixAffinity
 
 
-def _prompt(pending: PendingRequest | None) -> list[int] | None:
+def _prompt(pending: PendingRequest | None) -> tuple[list[int], int] | None:
+    """The request's prompt ids and salt (its replica keys prefix KV by both)."""
     if pending is None or not pending.args or not isinstance(pending.args[0], GenerateRequest):
         return None  # stats(), propose() ...: no prompt to match
-    return pending.args[0].prompt_token_ids
+    request = pending.args[0]
+    return request.prompt_token_ids, salt_root(request.cache_salt)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -34,13 +37,14 @@ class PrefixAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         cache = self.replica_queue_len_cache
         loads = {rid: cache.get(r.replica_id) for rid, r in by_id.items()}
-        ranked, _ = self.affinity.rank(_prompt(pending_request) or [], loads)
+        ids, root = _prompt(pending_request) or ([], 0)
+        ranked, _ = self.affinity.rank(ids, loads, root)
         return [[by_id[rid] for rid in group] for group in ranked if group]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        ids = _prompt(pending_request)
-        if ids:  # hashing again (microseconds) beats keeping state for requests that never get routed
-            self.affinity.record(self.affinity.hashes(ids), replica_id.unique_id)
+        prompt = _prompt(pending_request)
+        if prompt and prompt[0]:  # hashing again (microseconds) beats keeping state for requests that never get routed
+            self.affinity.record(self.affinity.hashes(*prompt), replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

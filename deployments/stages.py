@@ -87,7 +87,7 @@ class SemanticCache:
 
     async def channel(self) -> dict | None:
         """Where an ingress on this node can reach `lookup` and `store` without the handle."""
-        return offer(self._channel.path if self._channel is not None else None)
+        return offer(self._channel)
 
     async def _channel_lookup(self, key: str, scope: str | None, query: str | None) -> Lookup:
         self._doors["channel"] += 1

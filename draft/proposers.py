@@ -45,8 +45,9 @@ class Proposer(ABC):
     # load: 0.7-1.7 s of decode steps ahead of the TTFT misses).
     prompt_waiting: Callable[[], bool] | None = None
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> Any:
-        """Per-request state (returned to the caller, passed back on every call)."""
+    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> Any:
+        """Per-request state (returned to the caller, passed back on every call). `salt`: the
+        request's tenant (engines/blocks.py), for a drafter that keeps prefix KV."""
         return None
 
     @abstractmethod
@@ -78,8 +79,8 @@ class ModelDraft(Proposer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> _ModelState:
-        return _ModelState(self.engine.new_sequence())
+    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> _ModelState:
+        return _ModelState(self.engine.new_sequence(salt))
 
     def propose(self, state: _ModelState, context: list[int], k: int, params, rng) -> Proposal:
         if k <= 0:
@@ -194,7 +195,7 @@ class NgramDraft(Proposer):
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> _NgramIndex:
+    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> _NgramIndex:
         return _NgramIndex(self.min_n, self.max_n)
 
     def propose(self, state: _NgramIndex, context: list[int], k: int, params, rng) -> Proposal:
@@ -213,7 +214,7 @@ class HintDraft(Proposer):
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> _NgramIndex | None:
+    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> _NgramIndex | None:
         if not hint_ids:
             return None
         index = _NgramIndex(self.min_n, self.max_n)

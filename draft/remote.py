@@ -32,12 +32,14 @@ class DraftSessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def propose(self, session_id: str, context: list[int], k: int, params: SamplingParams, seed: int) -> Proposal:
+    def propose(
+        self, session_id: str, context: list[int], k: int, params: SamplingParams, seed: int, salt: int = 0
+    ) -> Proposal:
         self.proposals += 1
         if session_id not in self._sessions:
             self.recomputed += 1
             rng = torch.Generator().manual_seed(seed)
-            self._sessions[session_id] = (self.drafter.begin(context), rng)
+            self._sessions[session_id] = (self.drafter.begin(context, salt=salt), rng)
             while len(self._sessions) > self.max_sessions:
                 _, (old, _) = self._sessions.popitem(last=False)
                 self.drafter.end(old)
@@ -58,15 +60,15 @@ class RemoteDraft(Proposer):
         self.handle = handle
         self.timeout_s = timeout_s
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None) -> dict:
-        return {"id": uuid.uuid4().hex, "seed": int(torch.randint(0, 2**31 - 1, (1,)))}
+    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> dict:
+        return {"id": uuid.uuid4().hex, "seed": int(torch.randint(0, 2**31 - 1, (1,))), "salt": salt}
 
     def propose(self, state: dict, context: list[int], k: int, params: SamplingParams, rng) -> Proposal:
         if k <= 0:
             return Proposal([], None, self.name)
         start = time.perf_counter()
         try:
-            tokens, probs, marginal = self.handle.propose.remote(state["id"], context, k, params, state["seed"]).result(
+            tokens, probs, marginal = self.handle.propose.remote(state["id"], context, k, params, state["seed"], state["salt"]).result(
                 timeout_s=self.timeout_s
             )
         except Exception:

@@ -27,12 +27,13 @@ class PassStopped(Exception):
 class Sequence:
     """Engine-side state of one sequence: its KV cache and how many tokens it holds."""
 
-    __slots__ = ("kv", "length", "reused")
+    __slots__ = ("kv", "length", "reused", "salt")
 
-    def __init__(self, kv: Any) -> None:
+    def __init__(self, kv: Any, salt: int = 0) -> None:
         self.kv = kv
         self.length = 0
         self.reused = 0  # prompt tokens whose KV came from a prefix cache
+        self.salt = salt  # its tenant's (engines/blocks.py: salt_root): it reuses only KV with the same
 
 
 class Engine(ABC):
@@ -46,7 +47,9 @@ class Engine(ABC):
     one_core_released: tuple[float, str] | None = None  # see leave_one_core
 
     @abstractmethod
-    def new_sequence(self) -> Sequence: ...
+    def new_sequence(self, salt: int = 0) -> Sequence:
+        """A new, empty sequence. It may reuse the KV of earlier sequences' prefixes only under the
+        same `salt` (a tenant's), so one tenant can't learn another's prompts by timing."""
 
     @abstractmethod
     def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:

@@ -66,6 +66,7 @@ def _extra_buffer_types(enabled: bool) -> Iterator[None]:
 class _SeqState:
     tokens: list[int] = field(default_factory=list)  # what this sequence logically holds
     slot: int | None = None
+    salt: int = 0  # its tenant's: a context's KV is reused only under the salt that filled it
 
 
 class LlamaCppEngine(Engine):
@@ -110,6 +111,7 @@ class LlamaCppEngine(Engine):
         self._n_vocab = self._slots[0].n_vocab()
         self._owner: list[_SeqState | None] = [None] * len(self._slots)
         self._last_used = [0.0] * len(self._slots)
+        self._salt = [0] * len(self._slots)  # the salt of the sequence whose KV each context holds
         eos = self._slots[0].token_eos()
         self.eos_token_ids = frozenset({eos} | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
         self.load_seconds = time.monotonic() - start
@@ -117,8 +119,8 @@ class LlamaCppEngine(Engine):
 
     # ------------------------------------------------------------------ Engine
 
-    def new_sequence(self) -> Sequence:
-        return Sequence(_SeqState())
+    def new_sequence(self, salt: int = 0) -> Sequence:
+        return Sequence(_SeqState(salt=salt), salt)
 
     def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
         state: _SeqState = seq.kv
@@ -175,8 +177,9 @@ class LlamaCppEngine(Engine):
             self._owner[slot] = state
             state.slot = slot
             llm = self._slots[slot]
-            # Whatever this context still holds is valid up to the common prefix.
-            held = llm.input_ids[: llm.n_tokens].tolist()
+            # Whatever this context still holds is valid up to the common prefix, for the same tenant.
+            held = llm.input_ids[: llm.n_tokens].tolist() if self._salt[slot] == state.salt else []
+            self._salt[slot] = state.salt
             common = 0
             limit = min(len(held), len(state.tokens))
             while common < limit and held[common] == state.tokens[common]:
@@ -192,7 +195,7 @@ class LlamaCppEngine(Engine):
         for i in candidates:  # prefer the context sharing the longest prefix, then the LRU one
             llm = self._slots[i]
             held = llm.input_ids[: llm.n_tokens]
-            n = min(len(held), len(state.tokens))
+            n = min(len(held), len(state.tokens)) if self._salt[i] == state.salt else 0
             common = int(np.argmin(np.append(held[:n] == np.asarray(state.tokens[:n]), False)))
             if common > best_common or (common == best_common and self._last_used[i] < self._last_used[best]):
                 best, best_common = i, common

@@ -34,17 +34,18 @@ class PrefixCache:
         self.query_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of those, served from the cache
 
-    def _keys(self, token_ids: Sequence[int], limit: int) -> list[tuple[int, tuple[int, ...]]]:
+    def _keys(self, token_ids: Sequence[int], limit: int, salt: int) -> list[tuple[int, tuple[int, ...]]]:
         """(chain key, tokens) of the full blocks within the first `limit` tokens."""
-        return block_keys(token_ids, self.block_size, limit)
+        return block_keys(token_ids, self.block_size, limit, salt)
 
-    def match(self, token_ids: Sequence[int]) -> tuple[int, list[LayerKV]]:
-        """The longest cached prefix: (tokens reused, KV per layer). At least one prompt token
-        is always left to prefill, since the model must produce the next token's logits."""
+    def match(self, token_ids: Sequence[int], salt: int = 0) -> tuple[int, list[LayerKV]]:
+        """The longest cached prefix under `salt` (the tenant's `salt_root`): (tokens reused, KV
+        per layer). At least one prompt token is always left to prefill, since the model must
+        produce the next token's logits."""
         self.lookups += 1
         self.query_tokens += len(token_ids)
         found: list[int] = []
-        for key, tokens in self._keys(token_ids, len(token_ids) - 1):
+        for key, tokens in self._keys(token_ids, len(token_ids) - 1, salt):
             entry = self._blocks.get(key)
             if entry is None or entry[0] != tokens:
                 break
@@ -62,14 +63,14 @@ class PrefixCache:
         self.hit_tokens += reused
         return reused, layers
 
-    def insert(self, token_ids: Sequence[int], layers: Sequence[LayerKV]) -> None:
+    def insert(self, token_ids: Sequence[int], layers: Sequence[LayerKV], salt: int = 0) -> None:
         """Store the full blocks of `token_ids` that are not cached yet, from a sequence's KV.
 
         One copy per layer of the whole new span, each block a view into it: copying block by
         block cost ~19 ms for a 330-token prompt (1,200 small copies), on the way to the first token.
         """
         b = self.block_size
-        chain = self._keys(token_ids, len(token_ids))
+        chain = self._keys(token_ids, len(token_ids), salt)
         new = [i for i, (key, _) in enumerate(chain) if key not in self._blocks]
         if new:
             lo, hi = new[0] * b, (new[-1] + 1) * b

@@ -52,21 +52,21 @@ class TransformersEngine(Engine):
         self.load_seconds = time.monotonic() - start
         log.info("%s loaded from %s in %.1f s (%s)", self.model_id, model_dir, self.load_seconds, config.dtype)
 
-    def new_sequence(self) -> Sequence:
-        return Sequence(DynamicCache(config=self.model.config))
+    def new_sequence(self, salt: int = 0) -> Sequence:
+        return Sequence(DynamicCache(config=self.model.config), salt)
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
         cache = self.prefix_cache if seq.length == 0 else None  # a prompt, not a catch-up
         if cache is not None:
-            reused, layers = cache.match(token_ids)
+            reused, layers = cache.match(token_ids, seq.salt)
             for index, (keys, values) in enumerate(layers):
                 seq.kv.update(keys, values, index)
             seq.length = seq.reused = reused
         # logits_to_keep=1: the LM head over every prompt position is wasted work.
         logits = self._forward(seq, token_ids[seq.reused :], logits_to_keep=1)[-1]
         if cache is not None:
-            cache.insert(token_ids, [(layer.keys, layer.values) for layer in seq.kv.layers])
+            cache.insert(token_ids, [(layer.keys, layer.values) for layer in seq.kv.layers], seq.salt)
         return logits
 
     @torch.inference_mode()
@@ -121,7 +121,7 @@ class TransformersEngine(Engine):
     def remember(self, seq: Sequence, token_ids: list[int]) -> None:
         if self.prefix_cache is not None and seq.length:
             layers = [(layer.keys, layer.values) for layer in seq.kv.layers]
-            self.prefix_cache.insert(token_ids[: seq.length], layers)
+            self.prefix_cache.insert(token_ids[: seq.length], layers, seq.salt)
 
     def rollback(self, seq: Sequence, length: int) -> None:
         if length < seq.length:

@@ -45,6 +45,9 @@ class GenerateRequest:
     # takes its core back the moment the ingress has handled the lookup, not at the estimate.
     lookup_id: str | None = None
     sent_unix: float | None = None  # when the ingress sent it (time.time): the replica times the hop in
+    # Its tenant, hashed: prefix KV is reused only between requests with the same salt (vLLM's
+    # cache_salt), so a tenant can't probe another's prompts by reuse or timing.
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

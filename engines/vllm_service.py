@@ -167,7 +167,10 @@ class VLLMService:
         completion = 0
         finished = False
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, vllm_id):
+            prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+            if request.cache_salt:  # prefix blocks reused only within the tenant (vLLM's cache_salt)
+                prompt["cache_salt"] = request.cache_salt
+            async for out in self.llm.generate(prompt, params, vllm_id):
                 piece = out.outputs[0]
                 tokens = len(piece.token_ids)
                 completion += tokens

@@ -35,7 +35,11 @@ def build_api(pipeline: Pipeline) -> FastAPI:
         return await pipeline.invalidate(request)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> Response:
+        try:
+            pipeline.authorize(request)
+        except APIError as err:
+            return err.response()
         return JSONResponse(pipeline.models())
 
     @app.get("/health")
@@ -47,6 +51,7 @@ def build_api(pipeline: Pipeline) -> FastAPI:
                 "admission": pipeline.admission.snapshot(),
                 "router": pipeline.router_stats(),
                 "cache": {"lookup_failures": pipeline.cache_failures},
+                "stalled_readers_cut": pipeline.stalled_readers(),
             },
         )
 
@@ -82,7 +87,7 @@ _HEADERS = {
     "x-slo-tier": ("string", "SLO tier (admission.tiers in serve_config.yaml; default: the key's tier, else interactive)."),
     "x-admission-mode": ("string", "predictive or fifo; honored only with admission.allow_mode_header (benchmarks)."),
     "x-tenant": ("string", "A namespace inside the API key's tenant: [A-Za-z0-9_.:-]{1,64}."),
-    "x-request-id": ("string", "Echoed back; used in response ids."),
+    "x-request-id": ("string", "Echoed back and logged; the service's own ids are generated."),
     "cache-control": ("string", "no-cache: skip the cache lookup; no-store: do not cache the answer."),
 }
 

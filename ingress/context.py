@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ingress.auth import ANONYMOUS, Caller, bearer_key, key_hash, owner_of_hash
 from ingress.errors import bad_request
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -17,7 +18,7 @@ DEFAULT_TIER = "interactive"
 
 @dataclass(slots=True)
 class RequestContext:
-    request_id: str
+    request_id: str  # ours, unique: what the engines, the cache's flights and response ids use
     tenant: str
     tier: str  # resolved against the configured tiers by the admission policy
     deadline: float | None  # time.monotonic(): the client's own deadline (a hard cut-off), or None
@@ -30,6 +31,13 @@ class RequestContext:
     # miss, not an error: only the client's own deadline cuts a request off.
     target_deadline: float | None = None
     ttft_deadline: float | None = None
+    client_request_id: str | None = None  # the client's x-request-id: echoed and logged, never used as a key
+    admin: bool = False  # an admin key: admin routes, engine-internal counts in Server-Timing
+
+    @property
+    def cache_salt(self) -> str:
+        """The tenant, hashed: what the engines key prefix KV by (never the tenant's name)."""
+        return hashlib.sha256(self.tenant.encode()).hexdigest()[:32]
 
     def remaining_s(self, ceiling: float) -> float:
         """Seconds left for this request: its deadline, capped by a ceiling."""
@@ -45,23 +53,23 @@ class RequestContext:
         return time.time() + (target - time.monotonic())
 
 
-def tenant_from_headers(headers: Mapping[str, str]) -> str:
-    """A stable hash of the bearer key (never the key itself), else anonymous; `x-tenant` names a
-    namespace *inside* the key's, so a header can never reach another key's cached answers."""
+def tenant_from_headers(headers: Mapping[str, str], caller: Caller | None = None) -> str:
+    """The key's tenant (a hash of the bearer key, never the key itself; else anonymous), or
+    `caller`'s where the key ring already identified it; `x-tenant` names a namespace *inside*
+    it, so a header can never reach another key's cached answers."""
     explicit = headers.get("x-tenant")
     if explicit and not _TOKEN.match(explicit):
         raise bad_request("x-tenant must be 1-64 characters of [A-Za-z0-9_.:-]", "x-tenant")
-    auth = headers.get("authorization", "")
-    owner = "anonymous"
-    if auth.lower().startswith("bearer ") and auth[7:].strip():
-        owner = "key-" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
+    if caller is not None:
+        owner = caller.owner
+    else:
+        key = bearer_key(headers)
+        owner = owner_of_hash(key_hash(key)) if key is not None else ANONYMOUS
     return f"{owner}/{explicit}" if explicit else owner
 
 
-def context_from_headers(headers: Mapping[str, str]) -> RequestContext:
-    request_id = headers.get("x-request-id") or uuid.uuid4().hex
-    if not _TOKEN.match(request_id):
-        request_id = uuid.uuid4().hex
+def context_from_headers(headers: Mapping[str, str], caller: Caller | None = None) -> RequestContext:
+    client_id = headers.get("x-request-id")
     asked_tier = headers.get("x-slo-tier") or headers.get("x-priority")
     tier = asked_tier or DEFAULT_TIER
     if not _TOKEN.match(tier):
@@ -78,8 +86,10 @@ def context_from_headers(headers: Mapping[str, str]) -> RequestContext:
         deadline = time.monotonic() + budget_ms / 1000
     cache_control = headers.get("cache-control", "").lower()
     return RequestContext(
-        request_id=request_id,
-        tenant=tenant_from_headers(headers),
+        request_id=uuid.uuid4().hex,
+        client_request_id=client_id if client_id and _TOKEN.match(client_id) else None,
+        tenant=tenant_from_headers(headers, caller),
+        admin=caller is not None and caller.admin,
         tier=tier,
         tier_from_header=asked_tier is not None,
         deadline=deadline,

@@ -23,16 +23,23 @@ import uvicorn
 log = logging.getLogger(__name__)
 
 
+class ReaderStalled(Exception):
+    """A client stopped reading its response for longer than the send timeout."""
+
+
 class CancelOnDisconnect:
-    """ASGI wrapper: a client that disconnects cancels its request's handler.
+    """ASGI wrapper: a client that disconnects, or stops reading for `send_timeout_s`, cancels
+    its request's handler.
 
     Ray's proxy cancels the replica call when its client goes away; plain uvicorn does not, and
     a non-streaming handler would generate on for nobody. A pump reads the connection's messages
     for the app; on `http.disconnect` before the response is complete it cancels the handler,
     which unwinds like a Ray cancellation (the model call is cancelled, the slot released)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, send_timeout_s: float = 30.0) -> None:
         self.app = app
+        self.send_timeout_s = send_timeout_s
+        self.stalled = 0  # responses cut because their reader stopped reading
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -44,7 +51,11 @@ class CancelOnDisconnect:
             nonlocal complete
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 complete = True
-            await send(message)
+            try:  # a full socket buffer blocks the send: a reader that stalls is cut
+                await asyncio.wait_for(send(message), self.send_timeout_s)
+            except asyncio.TimeoutError:
+                self.stalled += 1
+                raise ReaderStalled from None
 
         handler = asyncio.ensure_future(self.app(scope, inbox.get, tracked_send))
 
@@ -62,6 +73,8 @@ class CancelOnDisconnect:
         pumping = asyncio.ensure_future(pump())
         try:
             await handler
+        except ReaderStalled:
+            log.info("cut a response whose client stopped reading for %g s", self.send_timeout_s)
         except asyncio.CancelledError:
             handler.cancel()
             if not disconnected:  # we were cancelled ourselves (server shutdown): pass it on
@@ -71,7 +84,9 @@ class CancelOnDisconnect:
 
 
 class DirectListener:
-    def __init__(self, app, host: str, port: int, keep_alive_s: float = 5.0) -> None:
+    def __init__(
+        self, app, host: str, port: int, keep_alive_s: float = 5.0, send_timeout_s: float = 30.0, drain_s: float = 30.0
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -82,13 +97,15 @@ class DirectListener:
             self._sock.close()
             raise RuntimeError(f"ingress.direct_port: cannot listen on {host}:{port}: {e}") from e
         self.url = f"http://{host}:{port}"
+        self.app = CancelOnDisconnect(app, send_timeout_s)
         self._server = uvicorn.Server(
             uvicorn.Config(
-                CancelOnDisconnect(app),
+                self.app,
                 lifespan="off",
                 access_log=False,
                 log_config=None,
                 timeout_keep_alive=keep_alive_s,
+                timeout_graceful_shutdown=drain_s,
             )
         )
         self._task: asyncio.Task | None = None
@@ -101,6 +118,16 @@ class DirectListener:
 
     def stop(self) -> None:
         self._server.should_exit = True
+
+    async def drain(self) -> None:
+        """Stop accepting (the other replicas on the port take new connections) and let the
+        requests under way finish, up to `drain_s`, as Serve drains its own proxy."""
+        self._server.should_exit = True
+        if self._task is not None:
+            try:
+                await asyncio.shield(self._task)
+            except Exception:
+                pass
 
     @staticmethod
     def _ended(task: asyncio.Task) -> None:

@@ -35,6 +35,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,14 +46,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from admission.budget import trim_conversation
 from admission.gate import AdmissionGate, Ticket
 from admission.policy import AdmissionPolicy, Mode
-from configs.schemas import AppArgs, TierConfig
+from configs.schemas import AppArgs, InputLimits, TierConfig
 from engines.lookup_signal import LookupBoard, lookup_id
 from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest, SamplingParams
+from ingress.auth import KeyRing
 from ingress.coalescing import Flights
 from ingress.context import RequestContext, context_from_headers
 from ingress.errors import APIError, bad_request, describe
 from ingress.prompts import PromptBuilder
-from ingress.protocol import ChatCompletionRequest, CompletionRequest
+from ingress.protocol import ChatCompletionRequest, CompletionRequest, lone_surrogate_at
 from ingress.responses import Kind, SSEWriter, full_response
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
@@ -107,6 +109,7 @@ class Prepared:
     tokenize: Callable[[PromptBuilder], list[int]]  # re-tokenize for another model's tokenizer
     tier: TierConfig
     mode: Mode
+    chars: int = 0  # characters of message content or prompt: how long tokenizing it takes
     prompt_ids: list[int] = field(default_factory=list)  # filled by _tokenize
     vector: Any = None  # the request's embedding (from the cache lookup, or made here): router and write
     lookup_done: asyncio.Event = field(default_factory=asyncio.Event)  # the cache lookup is over (or skipped)
@@ -125,6 +128,10 @@ class Prepared:
     prefill_ms: float | None = None
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
 
+
+# Prompts longer than this are tokenized (and trimmed) on a worker thread, not on the event
+# loop every request and /health share: tokenizing ~8k characters takes a few ms.
+INLINE_TOKENIZE_CHARS = 8192
 
 # How often a request waiting for the router on an idle box checks that it still is.
 RECHECK_S = 0.01
@@ -184,6 +191,7 @@ class Pipeline:
         self.backends = backends
         self.embedder = embedder  # the classifier's, for requests that skip the cache (the lookup brings one)
         self.flights = Flights()
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         # A model call started beside the lookup leaves a core free until this ingress marks the
         # lookup handled on the board (engines/lookup_signal.py), where the model replica
         # shares its node. Elsewhere, and as a backstop, the replica goes by an estimate
@@ -201,7 +209,8 @@ class Pipeline:
             args.draft.engine.model_id: args.draft.engine.max_model_len,
             args.router.auto_model_id: args.target.engine.max_model_len,
         }
-        self.admission = AdmissionPolicy(args.admission)
+        self.keys = KeyRing(args.auth, args.admission.tenants)
+        self.admission = AdmissionPolicy(args.admission, own_buckets=self.keys.owners())
         self.gate = self.admission.gate
         # llama.cpp holds a fixed number of sequences per replica; the gate counts them.
         self.admission.set_seats({
@@ -221,6 +230,7 @@ class Pipeline:
         }
         self.route_counts: dict[str, int] = {}  # "model/reason" -> requests
         self.cache_failures = 0  # lookups that failed or timed out and were served as misses
+        self.stalled_readers: Callable[[], int] = lambda: 0  # responses cut for a reader that stopped reading
         # Set by the deployment (telemetry/): None records nothing, as in unit tests without Ray.
         self.metrics: RequestMetrics | None = None
         self.tracer = None  # an OpenTelemetry tracer when tracing is on
@@ -237,7 +247,7 @@ class Pipeline:
         response: Response | None = None
         shed: str | None = None
         try:
-            ctx = context_from_headers(request.headers)
+            ctx = context_from_headers(request.headers, self.keys.identify(request.headers))
             mode = self.admission.mode(request.headers)
             tier = self.admission.tier(ctx)
             if mode == "fifo":  # admission off: no deadlines, first come first served
@@ -294,17 +304,29 @@ class Pipeline:
             log.debug("telemetry failed: %s", self._why(exc))
 
     async def invalidate(self, request: Request) -> Response:
-        """DELETE /v1/cache: drop the calling tenant's cached answers (only its own)."""
+        """DELETE /v1/cache: an admin key drops one tenant's cached answers: `?tenant=ID` (as
+        `python -m admission.tenant KEY` prints it), else its own."""
         try:
-            ctx = context_from_headers(request.headers)
+            caller = self.keys.identify(request.headers)
+            if not caller.admin:
+                raise APIError(
+                    403, "dropping cached answers needs an admin key (auth.admin_keys)", code="admin_key_required"
+                )
+            tenant = request.query_params.get("tenant") or context_from_headers(request.headers, caller).tenant
+            if len(tenant) > 200:
+                raise bad_request("tenant: at most 200 characters", "tenant")
             if self.near_cache is not None:
-                self.near_cache.invalidate(ctx.tenant)
-            dropped = await asyncio.wait_for(self.backends.cache_invalidate(ctx.tenant), self.args.ingress.stage_timeout_s)
+                self.near_cache.invalidate(tenant)
+            dropped = await asyncio.wait_for(self.backends.cache_invalidate(tenant), self.args.ingress.stage_timeout_s)
         except APIError as err:
             return err.response()
         except Exception as exc:
             return APIError(503, f"the cache did not answer: {type(exc).__name__}", code="cache_unavailable").response()
-        return JSONResponse({"object": "cache.invalidation", "deleted": dropped})
+        return JSONResponse({"object": "cache.invalidation", "tenant": tenant, "deleted": dropped})
+
+    def authorize(self, request: Request) -> None:
+        """A 401 (APIError) where keys are required and this request's is missing or unknown."""
+        self.keys.identify(request.headers)
 
     def models(self) -> dict[str, Any]:
         now = int(time.time())
@@ -339,15 +361,27 @@ class Pipeline:
         except UnicodeDecodeError as exc:
             raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding")
         try:
-            return json.loads(text, parse_constant=_reject_constant)
+            body = json.loads(text, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        where = lone_surrogate_at(text, body)
+        if where is not None:
+            raise bad_request(f"{where}: a lone UTF-16 surrogate is not text", where, "invalid_encoding")
+        return body
 
     def _prepare(
         self, kind: Kind, body: Any, ctx: RequestContext, tier: TierConfig | None = None, mode: Mode | None = None
     ) -> Prepared:
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        limits = self.args.ingress.limits
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list) and len(messages) > limits.max_messages:  # before validating them all
+            raise bad_request(
+                f"messages: {len(messages)} messages; this server takes at most {limits.max_messages} per request",
+                "messages", "too_many_messages",
+            )
         req = _validate(schema, body)
+        chars = _check_sizes(req, limits)
         unsupported = req.unsupported()
         if unsupported:
             raise bad_request(f"not supported by this server: {', '.join(unsupported)}", unsupported[0], "unsupported")
@@ -410,6 +444,7 @@ class Pipeline:
             tokenize=tokenize,
             tier=tier or self.admission.tier(ctx),
             mode=mode or self.args.admission.mode,
+            chars=chars,
         )
 
     def _tokenize(self, p: Prepared) -> None:
@@ -434,7 +469,10 @@ class Pipeline:
         req = p.request
         fitted = None
         if isinstance(req, ChatCompletionRequest):
-            fitted = trim_conversation(req.messages, lambda m: m.role, lambda ms: len(builder.chat(ms)), budget)
+            fitted = trim_conversation(
+                req.messages, lambda m: m.role, builder.message_tokens(req.messages), lambda ms: len(builder.chat(ms)),
+                budget, len(p.prompt_ids),
+            )
         if fitted is None:
             raise bad_request(
                 f"the {p.ctx.tier!r} tier allows {budget} input tokens and "
@@ -480,6 +518,7 @@ class Pipeline:
             # A repeat this replica answered lately: no tokenizer, no admission slot, no hop.
             near = self.near_cache.get(p.cache_key)
             if near is not None:
+                self.admission.charge_tenant(ctx, near.prompt_tokens + near.completion_tokens)
                 clock.stage("lookup")
                 return self._cached(p, Lookup("hit", near, 1.0, "exact_near"))
         permit: Permit | None = None
@@ -495,7 +534,11 @@ class Pipeline:
                 await asyncio.sleep(0)  # let the exact-match hop leave, then tokenize while it flies
             else:
                 p.lookup_done.set()
-            self._tokenize(p)
+            self.admission.precheck_tenant(ctx)  # a tenant over its rate costs no tokenizer pass
+            if p.chars > INLINE_TOKENIZE_CHARS:  # a long prompt: off the loop that answers everyone
+                await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokenize, p)
+            else:
+                self._tokenize(p)
             clock.stage("tokenize")
             self.admission.charge_tenant(ctx, len(p.prompt_ids) + p.sampling.max_tokens)
             # Hopeless for every model that could answer: shed now, before waiting on the lookup
@@ -537,6 +580,7 @@ class Pipeline:
             if builder is not self.prompts[p.requested_model]:
                 p.prompt_ids = p.tokenize(builder)  # the routed model speaks another vocabulary
             generate = GenerateRequest(ctx.request_id, p.prompt_ids, p.sampling, ctx.target_unix())
+            generate.cache_salt = ctx.cache_salt
             if hint is not None:
                 # A near miss: not safe to serve, but a good guess. The target verifies every
                 # token of it, so the answer is exactly what it would have produced anyway.
@@ -591,6 +635,8 @@ class Pipeline:
                     clock.counts[key] = first.timings_ms[key]
             if "prefix_reused_tokens" in first.timings_ms:
                 clock.counts["prefix_reused_tokens"] = first.timings_ms["prefix_reused_tokens"]
+            if not (ctx.admin or self.args.ingress.debug_timings):
+                clock.counts.clear()  # the engine's inner counts are the operator's, not every caller's
             ttft_ms = (first_at - clock.start) * 1000
             if p.ticket is not None:
                 self.gate.first_token(p.ticket)
@@ -768,9 +814,14 @@ class Pipeline:
     def _start(self, model_id: str, request: GenerateRequest, p: Prepared) -> ModelStream:
         """Start generating, or join an identical generation already in flight."""
         # no-cache asks for a fresh answer: it neither reads the cache nor joins a flight.
-        if p.cache_key is None or p.ctx.no_cache or not self.args.cache.coalesce or request.draft_hint_ids:
+        if (
+            p.cache_key is None or p.ctx.no_cache or not self.args.cache.coalesce or request.draft_hint_ids
+            or _reshaped(p)
+        ):
             return self.backends.generate(model_id, request)
-        stream, followed = self.flights.join(f"{model_id}:{p.cache_key}", lambda: self.backends.generate(model_id, request))
+        stream, followed = self.flights.join(
+            f"{model_id}:{p.cache_key}", lambda: self.backends.generate(model_id, request), request.deadline_unix
+        )
         p.coalesced = followed
         return stream
 
@@ -930,21 +981,28 @@ class Pipeline:
                     yield writer.done()
                     return
                 last_at = self._token_gap(p, chunk, last_at)
+                if chunk.finish_reason is not None:
+                    break
                 if chunk.text:
                     parts.append(chunk.text)
                     yield writer.delta(chunk.text)
+            # The model is done: its slot goes to the next request now, not after a slow reader
+            # has taken the rest, and the complete answer is cached whether or not it is read.
+            finished = True
+            tail = chunk.text if chunk is not first else ""  # the first chunk's text went out above
+            parts.append(tail)
+            self._finished(p, chunk, first_at)
+            permit.release()
+            self._store(p, decision, "".join(parts), chunk)
+            if tail:
+                yield writer.delta(tail)
             yield writer.delta("", chunk.finish_reason)
             if p.include_usage:
                 yield writer.usage(chunk.prompt_tokens, chunk.completion_tokens)
             yield writer.done()
-            finished = True
         finally:
-            if finished:
-                self._finished(p, chunk, first_at)
             permit.release()
-            if finished:
-                self._store(p, decision, "".join(parts), chunk)
-            else:
+            if not finished:
                 stream.cancel()  # the client left: stop the model within one step
             # 200 went out with the headers; a stream cut short is a 503 (backend) or 499 (client gone).
             self._completed(p, chunk if finished else None, 200 if finished else 503 if failed else 499)
@@ -979,7 +1037,10 @@ class Pipeline:
         return StreamingResponse(replay(), media_type="text/event-stream", headers=headers)
 
     def _store(self, p: Prepared, decision: RouteDecision, text: str, last: GenerateChunk) -> None:
-        if p.cache_key is None or p.ctx.no_store or p.coalesced or last.finish_reason not in ("stop", "length"):
+        if (
+            p.cache_key is None or p.ctx.no_store or p.coalesced or last.finish_reason not in ("stop", "length")
+            or _reshaped(p)
+        ):
             return
         value = CachedResponse(text, last.finish_reason, last.prompt_tokens, last.completion_tokens, decision.model_id)
         vector = p.vector if p.vector is not None and p.scope is not None else None
@@ -991,8 +1052,9 @@ class Pipeline:
             log.warning("cache write failed: %s", self._why(exc))
 
     def _headers(self, p: Prepared, decision: RouteDecision, cache: str) -> dict[str, str]:
-        # x-request-id is echoed by Ray Serve's proxy itself; we reuse its value for our ids.
+        echo = {"x-request-id": p.ctx.client_request_id} if p.ctx.client_request_id else {}
         return {
+            **echo,
             "x-cache": cache,
             "x-route": decision.header(),
             "x-slo-tier": p.ctx.tier,
@@ -1019,6 +1081,31 @@ _REPLICA_GONE = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "Ch
 
 def _replica_gone(exc: BaseException) -> bool:
     return any(cls.__name__ in _REPLICA_GONE for cls in type(exc).__mro__)
+
+
+def _check_sizes(req: ChatCompletionRequest | CompletionRequest, limits: InputLimits) -> int:
+    """400s for what validation alone lets through: a prompt too long to tokenize cheaply, a
+    stop sequence whose hold-back would cost a decode of its length on every token."""
+    if isinstance(req, ChatCompletionRequest):
+        chars, param = sum(len(m.text()) for m in req.messages), "messages"
+    elif isinstance(req.prompt, str):
+        chars, param = len(req.prompt), "prompt"
+    else:
+        chars, param = sum(len(p) if isinstance(p, (str, list)) else 1 for p in req.prompt), "prompt"
+    if chars > limits.max_prompt_chars:
+        raise bad_request(
+            f"{param}: {chars} characters; this server takes at most {limits.max_prompt_chars} per request",
+            param, "prompt_too_long",
+        )
+    if any(len(s) > limits.max_stop_chars for s in req.stop):
+        raise bad_request(f"stop: each stop sequence may have at most {limits.max_stop_chars} characters", "stop")
+    return chars
+
+
+def _reshaped(p: Prepared) -> bool:
+    """The tier clamped max_tokens or trimmed the conversation: the answer is not the one the
+    request's cache key names, so it is neither cached nor shared with identical requests."""
+    return "x-max-tokens-clamped" in p.notes or "x-context-trimmed" in p.notes
 
 
 def _reject_constant(name: str) -> Any:

@@ -12,6 +12,10 @@ from typing import Any
 from ingress.errors import bad_request
 from ingress.protocol import ChatMessage
 
+# Tokens a chat template adds around one message (role and turn markers): ChatML's
+# "<|im_start|>user\n ... <|im_end|>\n" is 5. Only an estimate: trimming checks the result.
+TURN_MARKER_TOKENS = 5
+
 
 class PromptBuilder:
     def __init__(self, tokenizer: Any) -> None:
@@ -26,6 +30,13 @@ class PromptBuilder:
         except Exception as exc:  # a template may reject e.g. a role order it does not support
             raise bad_request(f"messages do not fit the model's chat template: {exc}", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def message_tokens(self, messages: list[ChatMessage]) -> list[int]:
+        """Each message's tokens, in one batched pass, plus the few its turn markers add: an
+        estimate of its share of `chat(messages)`, for trimming (admission/budget.py)."""
+        texts = [m.text() for m in messages]
+        counts = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return [len(ids) + TURN_MARKER_TOKENS for ids in counts]
 
     def completion(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
         if isinstance(prompt, str):

@@ -6,9 +6,13 @@ are rejected with a 400 that names them, instead of being silently dropped.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# A seed is a 64-bit signed integer, as in vLLM's server: torch's generator takes no more.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -48,7 +52,7 @@ class _Sampling(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
@@ -126,3 +130,30 @@ class CompletionRequest(_Sampling):
     @property
     def output_limit(self) -> int | None:
         return self.max_tokens
+
+
+# JSON can spell a UTF-16 surrogate as an escape; only there can a lone one come from.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate_at(text: str, parsed: Any) -> str | None:
+    """Where the parsed body holds a string with a lone UTF-16 surrogate ("\\ud800"), which no
+    UTF-8 text can carry: the path to it, or None. A C-speed scan of the raw text first, so a
+    body without such escapes costs no walk."""
+    if _SURROGATE_ESCAPE.search(text) is None:
+        return None
+    stack: list[tuple[Any, str]] = [(parsed, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path))
+                stack.append((item, f"{path}.{key}" if path else str(key)))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{i}") for i, item in enumerate(value))
+    return None

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from engines.blocks import block_keys
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_prefix_blocks: int) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, max_prefix_blocks: int, root: int = 0) -> list[int]:
     """Chained keys of the prompt's whole leading blocks: block i's key covers blocks 0..i."""
-    return [key for key, _ in block_keys(token_ids, block_size, block_size * max_prefix_blocks)]
+    return [key for key, _ in block_keys(token_ids, block_size, block_size * max_prefix_blocks, root)]
 
 
 class PrefixAffinity:
@@ -37,15 +37,18 @@ class PrefixAffinity:
         self._owner: OrderedDict[int, str] = OrderedDict()  # block hash -> replica last sent it
         self.routed = {"affinity": 0, "balanced": 0, "new": 0}  # why requests went where they went
 
-    def hashes(self, token_ids: Sequence[int]) -> list[int]:
-        return block_hashes(token_ids, self.block_size, self.max_prefix_blocks)
+    def hashes(self, token_ids: Sequence[int], root: int = 0) -> list[int]:
+        """`root`: the request's salt (engines/blocks.py: salt_root), as its replica keys the KV."""
+        return block_hashes(token_ids, self.block_size, self.max_prefix_blocks, root)
 
-    def rank(self, token_ids: Sequence[int], loads: dict[str, int | None]) -> tuple[list[list[str]], list[int]]:
+    def rank(
+        self, token_ids: Sequence[int], loads: dict[str, int | None], root: int = 0
+    ) -> tuple[list[list[str]], list[int]]:
         """Replica ids in preference order (groups, as Ray's router takes them), and the
         prompt's block hashes (pass them to `record` once the request is sent).
 
         `loads`: each candidate's requests in flight, None when unknown."""
-        hashes = self.hashes(token_ids)
+        hashes = self.hashes(token_ids, root)
         replicas = list(loads)
         if not replicas:
             return [], hashes

@@ -20,6 +20,7 @@ from typing import Any
 
 from draft.proposers import Proposer
 from engines.base import Engine
+from engines.blocks import salt_root
 from engines.detokenizer import IncrementalDetokenizer
 from engines.sampling import make_generator, sample
 from engines.types import GenerateChunk, GenerateRequest
@@ -48,7 +49,8 @@ class Generation:
         self.engine = engine
         self.request = request
         self.params = request.sampling
-        self.seq = engine.new_sequence()
+        self.salt = salt_root(request.cache_salt)
+        self.seq = engine.new_sequence(self.salt)
         self.detok = IncrementalDetokenizer(engine.tokenizer, self.params.stop)
         self.rng = make_generator(self.params)
         self.spec = speculation
@@ -61,7 +63,9 @@ class Generation:
         room = engine.max_model_len - len(request.prompt_token_ids)
         self.max_tokens = min(self.params.max_tokens, room)
         if self.spec is not None:
-            self.spec.states = [p.begin(request.prompt_token_ids, request.draft_hint_ids) for p in self.spec.proposers]
+            self.spec.states = [
+                p.begin(request.prompt_token_ids, request.draft_hint_ids, salt=self.salt) for p in self.spec.proposers
+            ]
 
     def add_hint(self, hint_ids: list[int]) -> bool:
         """A draft hint that arrived after the request started (the cache lookup ran beside the
@@ -72,7 +76,7 @@ class Generation:
         took = False
         for i, proposer in enumerate(self.spec.proposers):
             if self.spec.states[i] is None and proposer.takes_hints:
-                self.spec.states[i] = proposer.begin(self.request.prompt_token_ids, list(hint_ids))
+                self.spec.states[i] = proposer.begin(self.request.prompt_token_ids, list(hint_ids), salt=self.salt)
                 took = True
         return took
 

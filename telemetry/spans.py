@@ -92,7 +92,20 @@ def parse_traceparent(headers: Mapping[str, str] | None) -> TraceParent | None:
     trace, span = int(trace_id, 16), int(span_id, 16)
     if not trace or not span:
         return None
-    return TraceParent(trace, span, bool(int(flags, 16) & 1), headers.get("tracestate", "") or "")
+    return TraceParent(trace, span, bool(int(flags, 16) & 1), _trace_state(headers.get("tracestate")))
+
+
+MAX_TRACESTATE_CHARS = 512  # W3C: 32 members; a propagator may cut at 512 characters
+
+
+def _trace_state(value: str | None) -> str:
+    """A client's `tracestate`, as the OpenTelemetry SDK's propagator parses it (invalid
+    members dropped, at most 32), or "" when it is malformed or long: copied into every span."""
+    if not value or len(value) > MAX_TRACESTATE_CHARS:
+        return ""
+    from opentelemetry.trace.span import TraceState
+
+    return TraceState.from_header([value]).to_header()
 
 
 def traceparent(trace_id: int, span_id: int, sampled: bool) -> str:
@@ -127,11 +140,12 @@ class Tracer:
         atexit.register(self.shutdown)
 
     def start_trace(self, headers: Mapping[str, str] | None) -> tuple[TraceParent | None, int, bool]:
-        """(the client's parent or None, this trace's id, sampled). A client's parent decides
-        for its own trace; a new trace is kept at `sample_ratio`, by its id."""
+        """(the client's parent or None, this trace's id, sampled). A trace is kept at
+        `sample_ratio`, by its id; a client's parent can turn sampling off for its trace but
+        not force it past the ratio (a client could make every request pay for spans)."""
         parent = parse_traceparent(headers)
         if parent is not None:
-            return parent, parent.trace_id, parent.sampled
+            return parent, parent.trace_id, parent.sampled and (parent.trace_id & 0xFFFFFFFFFFFFFFFF) < self._bound
         trace_id = new_id(128)
         return None, trace_id, (trace_id & 0xFFFFFFFFFFFFFFFF) < self._bound
 

@@ -264,12 +264,35 @@ def test_tenant_buckets_limit_requests_and_tokens_and_split_across_replicas():
 def test_trim_keeps_system_prompt_and_latest_turns():
     msgs = [("system", 10), ("user", 50), ("assistant", 50), ("user", 50), ("assistant", 50), ("user", 20)]
     count = lambda ms: sum(n for _, n in ms)  # noqa: E731
-    kept, dropped, tokens = trim_conversation(msgs, lambda m: m[0], count, 130)
+    each = [n for _, n in msgs]
+
+    def trim(budget):
+        return trim_conversation(msgs, lambda m: m[0], each, count, budget, count(msgs))
+
+    kept, dropped, tokens = trim(130)
     assert kept == [("system", 10), ("user", 50), ("assistant", 50), ("user", 20)] and dropped == 2 and tokens == 130
-    kept, dropped, _ = trim_conversation(msgs, lambda m: m[0], count, 40)
+    kept, dropped, _ = trim(40)
     assert kept == [("system", 10), ("user", 20)] and dropped == 4
-    assert trim_conversation(msgs, lambda m: m[0], count, 25) is None  # system + last message alone are over
-    assert trim_conversation(msgs, lambda m: m[0], count, 1000) == (msgs, 0, 230)
+    assert trim(25) is None  # system + last message alone are over
+    assert trim(1000) == (msgs, 0, 230)
+
+
+def test_trim_is_linear_and_corrects_an_estimate_that_falls_short():
+    """30,000 tiny turns: the whole conversation is never re-rendered per dropped message (that
+    was quadratic: one such request held a replica's event loop for minutes). A template that
+    adds 3 tokens per message, which the estimate misses, still ends within the budget."""
+    msgs = [("system", 5)] + [("user" if i % 2 == 0 else "assistant", 2) for i in range(30_000)] + [("user", 4)]
+    count = lambda ms: sum(n + 3 for _, n in ms)  # noqa: E731
+    rendered: list[int] = []
+
+    def counting(ms):
+        rendered.append(len(ms))
+        return count(ms)
+
+    kept, dropped, tokens = trim_conversation(msgs, lambda m: m[0], [n for _, n in msgs], counting, 100, count(msgs))
+    assert tokens <= 100 and kept[0] == ("system", 5) and kept[-1] == ("user", 4) and kept[1][0] == "user"
+    assert dropped == len(msgs) - len(kept) and tokens > 100 - 2 * 5  # no more than one turn pair too many dropped
+    assert len(rendered) <= 3 and max(rendered) < 100, rendered  # a few renders, each of a conversation near the budget
 
 
 def test_prompts_still_in_prefill_count_against_a_new_requests_ttft():

@@ -31,7 +31,7 @@ def test_calls_share_one_connection_and_answer_out_of_order():
         server = await ChannelServer({"echo": _slow_echo, "lookup": _lookup, "broken": _broken}).start()
         try:
             assert stat.S_IMODE(os.stat(os.path.dirname(server.path)).st_mode) == 0o700  # this user only
-            client = await ChannelClient(server.path).connect()
+            client = await ChannelClient(server.path, server.secret).connect()
             # The slow call goes first and ends last: each answer finds its own caller.
             slow = asyncio.ensure_future(client.call("echo", "slow", 0.2))
             await asyncio.sleep(0.01)
@@ -62,10 +62,10 @@ def test_a_lost_server_fails_pending_calls_and_the_pool_drops_it():
         pool = ChannelPool(node_id="node-a", max_in_flight=2)
         try:
             assert not await pool.learn(None)  # the replica has no channel
-            assert not await pool.learn({"node_id": "node-b", "path": server.path})  # another node's
-            assert await pool.learn({"node_id": "node-a", "path": server.path})
-            assert not await pool.learn({"node_id": "node-a", "path": server.path})  # already known
-            assert await pool.learn({"node_id": "node-a", "path": other.path})
+            assert not await pool.learn({"node_id": "node-b", "path": server.path, "secret": server.secret.hex()})  # another node's
+            assert await pool.learn({"node_id": "node-a", "path": server.path, "secret": server.secret.hex()})
+            assert not await pool.learn({"node_id": "node-a", "path": server.path, "secret": server.secret.hex()})  # already known
+            assert await pool.learn({"node_id": "node-a", "path": other.path, "secret": other.secret.hex()})
             assert len(pool) == 2
             busy = pool.pick()
             pending = asyncio.ensure_future(busy.call("echo", "never", 30))
@@ -91,7 +91,7 @@ def test_a_lost_server_fails_pending_calls_and_the_pool_drops_it():
             survivor = pool.pick()
             assert survivor is not busy and await survivor.call("echo", "ok", 0.0) == "ok"
             # A socket that is gone is not learned.
-            assert not await pool.learn({"node_id": "node-a", "path": server.path + ".gone"})
+            assert not await pool.learn({"node_id": "node-a", "path": server.path + ".gone", "secret": server.secret.hex()})
         finally:
             pool.close()
             server.close()
@@ -131,7 +131,7 @@ def test_ingress_falls_back_to_the_handle_when_the_channel_goes():
         server = await ChannelServer({"lookup": hang_up}).start()
         servers.append(server)
         pool = ChannelPool(node_id="n")
-        await pool.learn({"node_id": "n", "path": server.path})
+        await pool.learn({"node_id": "n", "path": server.path, "secret": server.secret.hex()})
         handle = _FakeCacheHandle()
         backends = HandleBackends(handle, router=None, models={}, write_timeout_s=1.0, cache_channels=pool)
         found = await asyncio.wait_for(backends.cache_lookup("k", "s", "q"), timeout=5)
@@ -159,7 +159,7 @@ def test_streams_end_fail_and_cancel_at_the_other_end():
 
     async def scenario():
         server = await ChannelServer({"count": count}).start()
-        client = await ChannelClient(server.path).connect()
+        client = await ChannelClient(server.path, server.secret).connect()
         try:
             assert [i async for i in client.stream("count", 5)] == [0, 1, 2, 3, 4]
             assert client.in_flight == 0
@@ -225,10 +225,11 @@ def test_a_replica_whose_deployment_autoscales_offers_no_channel(monkeypatch):
 
     monkeypatch.setattr("ray.get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
     monkeypatch.setattr(serve, "get_replica_context", lambda: context(None))
-    assert offer("/tmp/x/s") == {"node_id": "node-a", "path": "/tmp/x/s"}
+    server = SimpleNamespace(path="/tmp/x/s", secret=b"\x01" * 32)
+    assert offer(server) == {"node_id": "node-a", "path": "/tmp/x/s", "secret": "01" * 32}
     assert offer(None) is None
     monkeypatch.setattr(serve, "get_replica_context", lambda: context({"min_replicas": 1, "max_replicas": 4}))
-    assert offer("/tmp/x/s") is None
+    assert offer(server) is None
 
 
 def test_a_draining_replica_finishes_its_streams_and_refuses_new_calls():
@@ -245,7 +246,7 @@ def test_a_draining_replica_finishes_its_streams_and_refuses_new_calls():
     async def scenario():
         server = await ChannelServer({"count": count}).start()
         pool = ChannelPool(node_id="n")
-        await pool.learn({"node_id": "n", "path": server.path})
+        await pool.learn({"node_id": "n", "path": server.path, "secret": server.secret.hex()})
         client = pool.pick()
         running = client.stream("count", 10, 0.02)
         assert await running.__anext__() == 0
