@@ -85,6 +85,7 @@ def run(quick: bool = False, requests: int | None = None, **_: object) -> dict:
             args.router.kind = "rules"
             args.target.speculative.method = "none"
             args.target.engine.num_threads = 1  # two replicas, two cores
+            args.ingress.debug_timings = True  # prefix_reused_tokens in every Server-Timing
 
         with running_service(serve_file, tweak=tweak) as base:
             warm = tqdm(total=2, desc=f"{router}: warm-up", unit="req")

@@ -255,17 +255,10 @@ class Ingress:
             self._direct.start()
             self.pipeline.stalled_readers = lambda: self._direct.app.stalled
 
-    def __del__(self):
-        """At a graceful shutdown Serve awaits what this returns: the direct listener's drain
-        (Serve drains its own proxy's requests), then the side channels close."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # the process is going: nothing to wait for
-            self._close()
-            return None
-        return self._drain()
-
-    async def _drain(self) -> None:
+    async def __del__(self) -> None:
+        """Serve awaits this at a graceful shutdown (an ingress's `__del__` may be async): the
+        direct listener drains as Serve drains its own proxy's requests, then the side
+        channels close."""
         if getattr(self, "_direct", None) is not None:
             await self._direct.drain()
         self._close()

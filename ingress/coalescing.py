@@ -24,11 +24,8 @@ class ModelStream(Protocol):
 
 
 class Flight:
-    def __init__(
-        self, key: str, source: ModelStream, on_end: Callable[["Flight"], None], deadline: float | None = None
-    ) -> None:
+    def __init__(self, key: str, source: ModelStream, on_end: Callable[["Flight"], None]) -> None:
         self.key = key
-        self.deadline = deadline  # the engine gives up on the generation then (the leader's deadline)
         self.chunks: list[GenerateChunk] = []
         self.error: BaseException | None = None
         self.done = False
@@ -106,19 +103,13 @@ class Flights:
         self._active: dict[str, Flight] = {}
         self.coalesced = 0
 
-    def join(
-        self, key: str, start: Callable[[], ModelStream], deadline: float | None = None
-    ) -> tuple[FlightStream, bool]:
-        """A stream for `key`; True when it follows a generation already in flight. A request
-        follows only a generation that lives as long as it may wait (`deadline`, wall clock;
-        None: none): one that the engine would abort at an earlier deadline would fail it."""
+    def join(self, key: str, start: Callable[[], ModelStream]) -> tuple[FlightStream, bool]:
+        """A stream for `key`; True when it follows a generation already in flight."""
         flight = self._active.get(key)
-        if flight is not None and not flight.done and (
-            flight.deadline is None or (deadline is not None and deadline <= flight.deadline)
-        ):
+        if flight is not None and not flight.done:
             self.coalesced += 1
             return flight.listen(), True
-        flight = Flight(key, start(), self._ended, deadline)
+        flight = Flight(key, start(), self._ended)
         self._active[key] = flight
         return flight.listen(), False
 

@@ -619,6 +619,11 @@ class Pipeline:
             except ReplicaFailed as err:
                 stream = None
                 stream, first = await self._retry(p, decision.model_id, generate, permit, err)
+            if first.finish_reason == "abort" and p.coalesced and p.ctx.remaining_s(self.args.ingress.request_timeout_s) > 0:
+                # The engine gave up on the leader at its deadline; this follower's is later.
+                stream.cancel()
+                stream = None
+                stream, first = await self._alone(p, decision.model_id, generate, permit)
             first_at = time.perf_counter()
             # From the model call to its first chunk: the replica's queue and prefill as it
             # measured them, the rest is the hop there and back.
@@ -800,7 +805,13 @@ class Pipeline:
             raise err
         p.retried = True
         log.warning("model replica of %s died under request %s; retrying once", model_id, p.ctx.request_id)
-        if p.coalesced:  # the leader's replica died: this request now runs its own generation
+        return await self._alone(p, model_id, request, permit)
+
+    async def _alone(
+        self, p: Prepared, model_id: str, request: GenerateRequest, permit: Permit
+    ) -> tuple[ModelStream, GenerateChunk]:
+        """Start this request's own generation (it followed another's, which ended for it)."""
+        if p.coalesced:
             p.coalesced = False
             self.load.started(model_id)
             permit.also(lambda: self.load.finished(model_id))
@@ -819,9 +830,7 @@ class Pipeline:
             or _reshaped(p)
         ):
             return self.backends.generate(model_id, request)
-        stream, followed = self.flights.join(
-            f"{model_id}:{p.cache_key}", lambda: self.backends.generate(model_id, request), request.deadline_unix
-        )
+        stream, followed = self.flights.join(f"{model_id}:{p.cache_key}", lambda: self.backends.generate(model_id, request))
         p.coalesced = followed
         return stream
 

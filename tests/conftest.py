@@ -35,6 +35,10 @@ LIMITED_KEY = "sk-limited-tenant"
 # One request, then 429s: test_observability's way to make one shed without loading the box.
 ONE_SHOT_KEY = "sk-one-request-tenant"
 DOWNGRADE_TIER = "downgradable"
+# Admin keys: DELETE /v1/cache, and the engine's inner counts (prefix tokens reused) in Server-Timing.
+ADMIN_KEY = "sk-admin-test"
+# A tier that trims conversations to a small input budget (tests/test_hostile.py).
+TRIMMED_TIER = "trimmed"
 
 
 class Service:
@@ -117,6 +121,8 @@ def service(serve_file, otlp_sink):
         # Downgrades without a TTFT target: whether the small model takes the request then depends
         # only on it being idle, not on how fast the shared cores happen to be right now.
         args.admission.tiers[DOWNGRADE_TIER] = TierConfig(priority=0, e2e_ms=600_000, downgrade=True)
+        args.admission.tiers[TRIMMED_TIER] = TierConfig(priority=1, e2e_ms=600_000, max_input_tokens=200)
+        args.auth.admin_keys = [ADMIN_KEY]
         args.admission.tenants[tenant_from_headers({"authorization": f"Bearer {LIMITED_KEY}"})] = TenantLimits(
             tier="batch", allowed_tiers=["batch"], requests_per_s=0.05, request_burst=2
         )

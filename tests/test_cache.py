@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from ingress.context import tenant_from_headers
+from tests.conftest import ADMIN_KEY
 from tests.test_serving import TARGET
 
 NO_CACHE = {"Cache-Control": "no-cache, no-store"}
@@ -107,8 +109,11 @@ def test_cache_control_sampling_and_invalidate(service):
     # Invalidate drops this tenant's answers, and only this tenant's.
     other = service.openai(api_key="sk-tenant-control-other")
     _ask(other, question)
-    resp = service.http.delete("/v1/cache", headers={"authorization": "Bearer sk-tenant-control"})
-    assert resp.status_code == 200 and resp.json()["deleted"] >= 2
+    mine = tenant_from_headers({"authorization": "Bearer sk-tenant-control"})
+    refused = service.http.delete("/v1/cache", headers={"authorization": "Bearer sk-tenant-control"})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
+    resp = service.http.delete("/v1/cache", params={"tenant": mine}, headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    assert resp.status_code == 200 and resp.json()["deleted"] >= 2 and resp.json()["tenant"] == mine
     assert _ask(client, question).headers["x-cache"] == "miss"
     assert _ask(other, question).headers["x-cache"] == "hit"
 

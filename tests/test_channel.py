@@ -268,3 +268,81 @@ def test_a_draining_replica_finishes_its_streams_and_refuses_new_calls():
 
     server = asyncio.run(make())
     assert shut(server, drain_s=5.0) is None and not os.path.exists(server.path)
+
+
+def test_a_foreign_process_gets_no_answer_and_runs_no_code_through_a_channel(tmp_path):
+    """Another user's process can't open the socket; a same-user process without the replica's
+    secret is hung up on before any call runs; and even with the secret, a frame that would
+    build anything but the known message types (a pickle that runs a command) is refused,
+    with the connection, and nothing runs."""
+    import pickle
+    import socket
+    import struct
+
+    ran: list[str] = []
+    marker = tmp_path / "pwned"
+
+    async def answer(question):
+        ran.append(question)
+        return "secret answer"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    async def scenario():
+        server = await ChannelServer({"answer": answer}).start()
+        try:
+            # Another user (nobody): the 0700 directory keeps it from the socket.
+            if os.getuid() == 0:
+                pid = os.fork()
+                if pid == 0:  # the child becomes nobody and tries the socket
+                    code = 1
+                    try:
+                        os.setgid(65534)
+                        os.setuid(65534)
+                        socket.socket(socket.AF_UNIX).connect(server.path)
+                        code = 0
+                    except PermissionError:
+                        code = 13
+                    finally:
+                        os._exit(code)
+                _, status = os.waitpid(pid, 0)
+                assert os.waitstatus_to_exitcode(status) == 13, "another user's process reached the socket"
+            # Same user, wrong secret: the connection ends before any call runs.
+            with pytest.raises(ChannelError):
+                client = await ChannelClient(server.path, os.urandom(32)).connect()
+                await asyncio.wait_for(client.call("answer", "what is the secret?"), 5)
+            # A raw peer that ignores the challenge and sends a call frame straight away.
+            reader, writer = await asyncio.open_unix_connection(server.path)
+            await reader.readexactly(32)
+            body = pickle.dumps((1, "answer", ("raw",)))
+            writer.write(b"\0" * 32 + struct.pack("!I", len(body)) + body)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # hung up on
+            writer.close()
+            # The right secret, an evil frame: refused, connection closed, no command run.
+            client = await ChannelClient(server.path, server.secret).connect()
+            client._send((2, "answer", (Exploit(),)))
+            await asyncio.sleep(0.3)
+            with pytest.raises(ChannelError):
+                await asyncio.wait_for(client.call("answer", "still there?"), 5)
+            # An oversized frame header: the connection ends, nothing is buffered for it.
+            reader, writer = await asyncio.open_unix_connection(server.path)
+            nonce = await reader.readexactly(32)
+            import hashlib
+            import hmac
+
+            writer.write(hmac.new(server.secret, nonce, hashlib.sha256).digest() + struct.pack("!I", 2**32 - 1))
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+            assert server.refused >= 2
+            # The legitimate caller still gets its answer.
+            good = await ChannelClient(server.path, server.secret).connect()
+            assert await good.call("answer", "hello") == "secret answer"
+            good.close()
+        finally:
+            server.close()
+
+    asyncio.run(scenario())
+    assert not marker.exists(), "a frame ran a command"
+    assert ran == ["hello"], ran

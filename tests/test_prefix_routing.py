@@ -30,6 +30,7 @@ def two_replicas(service):
     args.cache.enabled = False  # every turn must reach a model replica
     args.router.kind = "rules"
     args.ingress.direct_port = None  # this app is reached through Ray Serve's proxy, at its route prefix
+    args.ingress.debug_timings = True  # Server-Timing carries prefix_reused_tokens for every caller
     options = {name: dict(opts) for name, opts in service.config.deployment_options.items()}
     options["TargetModel"]["num_replicas"] = 2
     assert "PrefixAffinityRouter" in options["TargetModel"]["request_router_config"]["request_router_class"]
