@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from configs.schemas import AdmissionConfig
 
@@ -16,6 +17,7 @@ class ReplicaReport:
     admitted: int
     rejected: int
     running_by_model: dict[str, int] = field(default_factory=dict)
+    invalidation_seq: int = -1  # the cache invalidations this replica has applied (semantic_cache/invalidations.py)
 
 
 @dataclass(slots=True)
@@ -25,6 +27,7 @@ class AdmissionShare:
     live_replicas: int
     others_inflight: dict[str, int] = field(default_factory=dict)  # the other replicas' running, by model
     replicas: dict[str, int] = field(default_factory=dict)  # RUNNING replicas by deployment name (the controller's last count)
+    invalidations: Any = None  # cache invalidations since the report's invalidation_seq (Invalidations)
 
 
 class AdmissionLedger:

@@ -15,8 +15,13 @@ ReportFn = Callable[[str, ReplicaReport], Awaitable[AdmissionShare]]
 
 
 class AdmissionSync:
-    def __init__(self, policy: AdmissionPolicy, report: ReportFn, replica_id: str, interval_s: float) -> None:
+    def __init__(
+        self, policy: AdmissionPolicy, report: ReportFn, replica_id: str, interval_s: float,
+        on_invalidated: Callable[[list[str | None]], None] | None = None,
+    ) -> None:
         self.policy = policy
+        self.on_invalidated = on_invalidated  # cache invalidations the fleet made: the near cache drops them
+        self.invalidation_seq = -1
         self._report = report
         self.replica_id = replica_id
         self.interval_s = interval_s
@@ -25,9 +30,14 @@ class AdmissionSync:
     async def sync_once(self) -> AdmissionShare:
         gate = self.policy.gate
         report = ReplicaReport(
-            gate.inflight, gate.queued, gate.admitted, sum(gate.rejected.values()), gate.running_by_model()
+            gate.inflight, gate.queued, gate.admitted, sum(gate.rejected.values()), gate.running_by_model(),
+            self.invalidation_seq,
         )
         share = await self._report(self.replica_id, report)
+        if share.invalidations is not None:
+            if share.invalidations.tenants and self.on_invalidated is not None:
+                self.on_invalidated(share.invalidations.tenants)
+            self.invalidation_seq = share.invalidations.seq
         self.policy.synced(
             share.max_inflight, share.max_queued, share.others_inflight, share.live_replicas, share.replicas
         )

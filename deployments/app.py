@@ -1,6 +1,7 @@
 """The app builder: binds the six deployments into one graph.
 
-    Ingress ──► AdmissionController   (sync only, off the request path)
+    Ingress ──► AdmissionController   (sync only, off the request path; it also keeps the cache
+       │                                 invalidations every SemanticCache replica applies)
        ├──────► SemanticCache         (exact, then semantic; before the model starts by default)
        ├──────► Router                (asked only with router.placement: remote; always bound, since Serve rejects
        │                                 config for a deployment the app lacks)
@@ -45,7 +46,7 @@ def build_graph(
         return deployment.options(**options) if options else deployment
 
     admission = with_options(AdmissionController).bind(args.admission.model_dump(), args.telemetry.metrics.enabled)
-    cache = with_options(SemanticCache).bind(args.cache.model_dump())
+    cache = with_options(SemanticCache).bind(args.cache.model_dump(), admission)
     router = with_options(Router).bind(
         args.router.model_dump(), args.target.engine.model_id, args.draft.engine.model_id
     )

@@ -80,8 +80,10 @@ class HandleBackends:
         write_timeout_s: float,
         cache_channels: ChannelPool | None = None,
         model_channels: dict[str, ChannelPool] | None = None,
+        controller: DeploymentHandle | None = None,
     ) -> None:
         self._cache = cache
+        self._controller = controller
         self.cache_channels = cache_channels
         self.model_channels = model_channels or {}
         self._write_timeout_s = write_timeout_s
@@ -94,6 +96,10 @@ class HandleBackends:
         return await self._cache_call("lookup", key, scope, query)
 
     async def cache_invalidate(self, tenant: str) -> int:
+        """The fleet's log first (every cache replica and near cache applies it within a sync),
+        then one replica at once, whose count is the answer."""
+        if self._controller is not None:
+            await self._controller.invalidate.remote(tenant)
         return await self._cache.invalidate.remote(tenant)
 
     def cache_store(self, entry: CacheEntry) -> None:
@@ -213,6 +219,7 @@ class Ingress:
             write_timeout_s=config.ingress.stage_timeout_s,
             cache_channels=cache_channels,
             model_channels=model_channels,
+            controller=admission,
         )
         embedder = None
         if config.router.kind == "classifier":
@@ -239,7 +246,8 @@ class Ingress:
         except Exception:
             pass
         self._admission = AdmissionSync(
-            self.pipeline.admission, admission.report.remote, replica_id, config.admission.sync_interval_s
+            self.pipeline.admission, admission.report.remote, replica_id, config.admission.sync_interval_s,
+            on_invalidated=self.pipeline.forget_tenants,
         )
         self._sync_task = asyncio.create_task(self._admission.run_forever())
         # Ready means every stage on the request path answers: /health says 503 until then, and

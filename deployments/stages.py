@@ -15,6 +15,7 @@ from engines.niceness import ahead_of_compute
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
 from semantic_cache.cache import CacheEntry, Lookup, ResponseCache
+from semantic_cache.invalidations import InvalidationLog, Invalidations
 from semantic_cache.store import make_store
 from telemetry.metrics import ControllerMetrics
 
@@ -27,6 +28,7 @@ class AdmissionController:
 
     def __init__(self, args: dict, metrics_enabled: bool = True) -> None:
         self.ledger = AdmissionLedger(AdmissionConfig.model_validate(args))
+        self.invalidations = InvalidationLog()  # every cache replica and near cache applies these
         # Replica counts by deployment: ingresses size model seats with them (and, with metrics
         # on, this one replica exports the fleet's counts).
         self.replicas: dict[str, int] = {}
@@ -50,7 +52,15 @@ class AdmissionController:
     async def report(self, replica_id: str, report: ReplicaReport) -> AdmissionShare:
         share = self.ledger.report(replica_id, report)
         share.replicas = dict(self.replicas)
+        share.invalidations = self.invalidations.since(report.invalidation_seq)
         return share
+
+    async def invalidate(self, tenant: str) -> int:
+        """Record that `tenant`'s cached answers are dropped, for every replica to apply."""
+        return self.invalidations.add(tenant)
+
+    async def invalidations_since(self, seq: int) -> Invalidations:
+        return self.invalidations.since(seq)
 
     async def totals(self) -> dict[str, int]:
         return self.ledger.totals()
@@ -62,7 +72,7 @@ class SemanticCache:
     the MiniLM embedding, made here, and the Qdrant search. The vector goes back to the ingress,
     which shares it with the router and sends it with the write: computed once per request."""
 
-    async def __init__(self, args: dict) -> None:
+    async def __init__(self, args: dict, controller=None) -> None:
         config = CacheConfig.model_validate(args)
         if config.nice is not None:
             ahead_of_compute(config.nice, "SemanticCache")
@@ -79,6 +89,8 @@ class SemanticCache:
         self.cache = ResponseCache(config, store)
         self._indexing: asyncio.Future | None = None
         self._purge_task = asyncio.create_task(self._purge_forever(min(60.0, config.ttl_s / 4)))
+        self._invalidation_seq = -1
+        self._follow_task = asyncio.create_task(self._follow_invalidations(controller)) if controller else None
         # Lookups and writes on a Unix socket too, for ingresses on this node (deployments/channel.py).
         self._doors = {"handle": 0, "channel": 0}
         self._channel = None
@@ -121,6 +133,18 @@ class SemanticCache:
     def __del__(self):
         channel, self._channel = getattr(self, "_channel", None), None
         return shut(channel, drain_s=2.0)  # lookups in flight finish (deployments/channel.py)
+
+    async def _follow_invalidations(self, controller, every_s: float = 1.0) -> None:
+        """Apply the fleet's invalidations (DELETE /v1/cache reached another replica)."""
+        while True:
+            try:
+                news = await asyncio.wait_for(controller.invalidations_since.remote(self._invalidation_seq), 10)
+                for tenant in news.tenants:
+                    self.cache.invalidate(tenant)  # None: everything (this replica fell behind)
+                self._invalidation_seq = news.seq
+            except Exception as exc:  # the controller is restarting: asked again next round
+                log.debug("invalidations: %r", exc)
+            await asyncio.sleep(every_s)
 
     async def _purge_forever(self, every_s: float) -> None:
         while True:

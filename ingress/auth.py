@@ -1,31 +1,21 @@
 """Who is calling: an API key's tenant, whether the key is listed, whether it is an admin's.
 
-A key is never stored or logged: only its SHA-256. The tenant id is the hash's first 16 hex
-digits (`key-0123456789abcdef`), what `admission.tenants` and the cache's namespaces use.
+A key is never stored or logged: only its SHA-256 (admission/tenant.py names the tenant by it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from admission.tenant import ANONYMOUS, key_hash, owner_of_hash
 from configs.schemas import AuthConfig
 from ingress.errors import APIError
 
-ANONYMOUS = "anonymous"
 _HASH = re.compile(r"^sha256:([0-9a-f]{64})$")
-
-
-def key_hash(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def owner_of_hash(digest: str) -> str:
-    return "key-" + digest[:16]
 
 
 def bearer_key(headers: Mapping[str, str]) -> str | None:

@@ -9,7 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ingress.auth import ANONYMOUS, Caller, bearer_key, key_hash, owner_of_hash
+from admission.tenant import ANONYMOUS, key_hash, owner_of_hash
+from ingress.auth import Caller, bearer_key
 from ingress.errors import bad_request
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")

@@ -324,6 +324,13 @@ class Pipeline:
             return APIError(503, f"the cache did not answer: {type(exc).__name__}", code="cache_unavailable").response()
         return JSONResponse({"object": "cache.invalidation", "tenant": tenant, "deleted": dropped})
 
+    def forget_tenants(self, tenants: list[str | None]) -> None:
+        """Invalidations made through another ingress replica: the near cache drops them too
+        (None: everything)."""
+        if self.near_cache is not None:
+            for tenant in tenants:
+                self.near_cache.invalidate(tenant)
+
     def authorize(self, request: Request) -> None:
         """A 401 (APIError) where keys are required and this request's is missing or unknown."""
         self.keys.identify(request.headers)

@@ -12,6 +12,7 @@ expiry, so a search can only ever return an answer that belongs to the asking sc
 
 from __future__ import annotations
 
+import collections
 import tempfile
 import threading
 import uuid
@@ -67,13 +68,41 @@ class EdgeStore:
         for name, kind in (("scope", qe.PayloadSchemaType.Keyword), ("tenant", qe.PayloadSchemaType.Keyword),
                            ("expires", qe.PayloadSchemaType.Float)):
             self.shard.update(qe.UpdateOperation.create_field_index(name, kind))
-        # Writes and index builds are serialized; searches run alongside both.
+        # Writes and index builds are serialized; searches run alongside both. A write never
+        # waits for the lock: while an index build (seconds) holds it, writes queue and the
+        # holder applies them before letting go, so the replica's event loop, which also
+        # answers lookups, is never held up by a build.
         self._write_lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()
+        self._pending_lock = threading.Lock()
+
+    def _update(self, op: Any) -> None:
+        """Apply `op` now, or, while another thread holds the store, right after it."""
+        with self._pending_lock:
+            self._pending.append(op)
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._write_lock.acquire(blocking=False):
+            try:
+                while True:
+                    with self._pending_lock:
+                        if not self._pending:
+                            break
+                        op = self._pending.popleft()
+                    self.shard.update(op)
+            finally:
+                self._write_lock.release()
+            with self._pending_lock:  # one queued between the last pop and the release
+                if not self._pending:
+                    return
+
+    @property
+    def queued_writes(self) -> int:
+        return len(self._pending)
 
     def upsert(self, point_id: str, vector: np.ndarray, payload: dict[str, Any]) -> None:
-        op = self._qe.UpdateOperation.upsert_points([self._qe.Point(point_id, vector.tolist(), payload)])
-        with self._write_lock:
-            self.shard.update(op)
+        self._update(self._qe.UpdateOperation.upsert_points([self._qe.Point(point_id, vector.tolist(), payload)]))
 
     def search(self, vector: np.ndarray, scope: str, now: float, limit: int) -> list[Match]:
         qe = self._qe
@@ -88,20 +117,17 @@ class EdgeStore:
 
     def delete(self, point_ids: list[str]) -> None:
         if point_ids:
-            with self._write_lock:
-                self.shard.update(self._qe.UpdateOperation.delete_points(list(point_ids)))
+            self._update(self._qe.UpdateOperation.delete_points(list(point_ids)))
 
     def delete_tenant(self, tenant: str) -> None:
         qe = self._qe
         where = qe.Filter(must=[qe.FieldCondition(key="tenant", match=qe.MatchValue(tenant))])
-        with self._write_lock:
-            self.shard.update(qe.UpdateOperation.delete_points_by_filter(where))
+        self._update(qe.UpdateOperation.delete_points_by_filter(where))
 
     def delete_expired(self, now: float) -> None:
         qe = self._qe
         where = qe.Filter(must=[qe.FieldCondition(key="expires", range=qe.RangeFloat(lte=now))])
-        with self._write_lock:
-            self.shard.update(qe.UpdateOperation.delete_points_by_filter(where))
+        self._update(qe.UpdateOperation.delete_points_by_filter(where))
 
     def count(self) -> int:
         return int(self.shard.count(self._qe.CountRequest(exact=True)))
@@ -110,6 +136,7 @@ class EdgeStore:
         """Build the HNSW index over new points (seconds at 10k entries; run off the request path)."""
         with self._write_lock:
             self.shard.optimize()
+        self._drain()  # the writes that came meanwhile
 
 
 class ClientStore:

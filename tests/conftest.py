@@ -123,6 +123,7 @@ def service(serve_file, otlp_sink):
         args.admission.tiers[DOWNGRADE_TIER] = TierConfig(priority=0, e2e_ms=600_000, downgrade=True)
         args.admission.tiers[TRIMMED_TIER] = TierConfig(priority=1, e2e_ms=600_000, max_input_tokens=200)
         args.auth.admin_keys = [ADMIN_KEY]
+        args.auth.required = False  # a profile that requires keys: the tests' many keys are unlisted (test_auth covers 401s)
         args.admission.tenants[tenant_from_headers({"authorization": f"Bearer {LIMITED_KEY}"})] = TenantLimits(
             tier="batch", allowed_tiers=["batch"], requests_per_s=0.05, request_burst=2
         )

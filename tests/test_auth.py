@@ -12,7 +12,8 @@ import pytest
 from admission.limits import TenantLimiter
 from configs.schemas import AdmissionConfig, AuthConfig, TenantLimits
 from engines.types import GenerateChunk
-from ingress.auth import KeyRing, key_hash, owner_of_hash
+from admission.tenant import key_hash, owner_of_hash
+from ingress.auth import KeyRing
 from ingress.errors import APIError
 from semantic_cache.cache import Lookup
 

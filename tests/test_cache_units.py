@@ -55,6 +55,40 @@ def test_scope_covers_everything_but_the_last_user_turn():
     assert split_query(turns + [{"role": "assistant", "content": "Hel"}])[1] is None
 
 
+def test_writes_and_deletes_never_wait_for_an_index_build(embedder):
+    """An HNSW build holds the store for seconds; a write or an invalidation that came then
+    returns at once (the replica's event loop answers lookups too) and lands right after."""
+    import threading
+    import time
+
+    store = make_store(VectorStoreConfig(kind="edge"), embedder.dimensions)
+    building = threading.Event()
+
+    class SlowBuild:  # the real shard, with an index build that takes a second
+        def __init__(self, shard) -> None:
+            self._shard = shard
+
+        def __getattr__(self, name):
+            return getattr(self._shard, name)
+
+        def optimize(self):
+            building.set()
+            time.sleep(1.0)
+            return self._shard.optimize()
+
+    store.shard = SlowBuild(store.shard)
+    build = threading.Thread(target=store.maintain)
+    build.start()
+    assert building.wait(10)
+    q, payload = "What is DNA?", {"scope": "s", "tenant": "t", "expires": 1e12}
+    t = time.perf_counter()
+    store.upsert("00000000-0000-0000-0000-000000000002", embedder.embed(q), payload)
+    store.delete_tenant("someone-else")
+    assert time.perf_counter() - t < 0.2 and store.queued_writes == 2
+    build.join(10)
+    assert store.queued_writes == 0 and store.search(embedder.embed(q), "s", 0.0, 1)[0].score > 0.99
+
+
 def test_x_tenant_is_a_namespace_inside_the_key():
     a = context_from_headers({"authorization": "Bearer key-a", "x-tenant": "shared"}).tenant
     b = context_from_headers({"authorization": "Bearer key-b", "x-tenant": "shared"}).tenant
@@ -235,3 +269,18 @@ def test_single_embedding_fast_path_matches_batched_encode(embedder):
         assert np.allclose(full.embed(text), expected, atol=1e-5), text[:40]
         assert np.allclose(on_onnx.embed(text), expected, atol=1e-5), text[:40]
         assert np.allclose(embedder.embed_modules(text), expected, atol=1e-5)
+
+
+def test_the_invalidation_log_hands_each_replica_what_it_missed():
+    from semantic_cache.invalidations import EVERYTHING, InvalidationLog
+
+    log = InvalidationLog(keep=3)
+    fresh = log.since(-1)
+    assert fresh.tenants == [] and fresh.seq == 0  # a new replica starts from now
+    log.add("t1")
+    log.add("t2")
+    assert log.since(0).tenants == ["t1", "t2"] and log.since(1).tenants == ["t2"] and log.since(2).tenants == []
+    for t in ("t3", "t4", "t5"):
+        log.add(t)
+    assert log.since(1).tenants == [EVERYTHING]  # t2 is gone from the log: drop everything
+    assert log.since(2).tenants == ["t3", "t4", "t5"] and log.since(2).seq == 5

@@ -311,9 +311,12 @@ def test_deeply_nested_json_is_a_400_not_a_crash(service):
 
 
 def test_huge_prompt_is_refused_quickly(service):
-    huge = "lorem ipsum dolor " * 50_000  # ~900 kB: under the body limit, ~150k tokens
+    huge = "lorem ipsum dolor " * 50_000  # ~900 kB: under the body limit, over the prompt's character limit
     start = time.monotonic()
     body = json.dumps({"model": TARGET, "messages": [{"role": "user", "content": huge}]})
+    _error(_post(service, body), 400, "prompt_too_long")
+    long = "lorem ipsum dolor " * 20_000  # ~360k characters, ~60k tokens: tokenized, then over the context window
+    body = json.dumps({"model": TARGET, "messages": [{"role": "user", "content": long}]})
     _error(_post(service, body), 400, "context_length_exceeded")
     assert time.monotonic() - start < 30
 
