@@ -102,7 +102,7 @@ def http_latency(requests: int, max_tokens: int) -> dict:
     paraphrases (a semantic hit is only a first time) alternate between them."""
     import httpx
 
-    from bench.service import running_service_urls
+    from bench.service import running_service_urls, without_rate_limits
 
     serve_file = load_serve_config()
     model = serve_file.args.target.engine.model_id
@@ -125,7 +125,7 @@ def http_latency(requests: int, max_tokens: int) -> dict:
         return (time.perf_counter() - t) * 1000, resp
 
     headers = {"authorization": "Bearer bench"}
-    with running_service_urls(serve_file) as urls, \
+    with running_service_urls(serve_file, tweak=without_rate_limits) as urls, \
             httpx.Client(base_url=urls.best, timeout=120, headers=headers) as direct, \
             httpx.Client(base_url=urls.proxy, timeout=120, headers=headers) as proxy:
         doors = {"direct": direct, "proxy": proxy} if urls.direct else {"proxy": proxy}

@@ -175,7 +175,7 @@ def run(
     rounds: int = 6, block: int = 8, clients: int = 4,
 ) -> dict:
     from bench.otlp_sink import OTLPSink
-    from bench.service import running_service, running_service_urls
+    from bench.service import running_service, running_service_urls, without_rate_limits
 
     if quick:
         requests, rounds = min(requests, 6), 2
@@ -196,6 +196,7 @@ def run(
     try:
         def tweak(args) -> None:
             args.target.speculative.method = "none"
+            without_rate_limits(args)
 
         with running_service_urls(serve_file, tweak=tweak) as urls:
             base = urls.best
@@ -217,6 +218,7 @@ def run(
 
         def traced(args) -> None:
             args.telemetry.tracing = TracingConfig(exporter="otlp", endpoint=sink.endpoint, sample_ratio=1.0)
+            without_rate_limits(args)
 
         with running_service(serve_file, tweak=traced) as base:
             def generated(i: int) -> list[dict]:
