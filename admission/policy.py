@@ -14,8 +14,8 @@ from admission.estimates import ServiceEstimates
 from admission.gate import AdmissionGate, Rejection, Ticket
 from admission.limits import OverLimit, TenantLimiter
 from configs.schemas import AdmissionConfig, TierConfig
-from ingress.context import RequestContext
-from ingress.errors import APIError, bad_request
+from admission.errors import AdmissionError
+from admission.request import RequestContext
 
 Mode = Literal["predictive", "fifo"]
 # The large model keeps a model=auto request (in a tier that allows downgrade) when its first
@@ -50,7 +50,8 @@ class AdmissionPolicy:
         asked = headers.get("x-admission-mode")
         if asked and self.config.allow_mode_header:
             if asked not in ("predictive", "fifo"):
-                raise bad_request("x-admission-mode must be predictive or fifo", "x-admission-mode")
+                raise AdmissionError("invalid", "x-admission-mode must be predictive or fifo", "invalid_request",
+                                     param="x-admission-mode")
             return asked  # type: ignore[return-value]
         return self.config.mode
 
@@ -60,12 +61,13 @@ class AdmissionPolicy:
         limits = self.config.tenant(owner)
         if ctx.tier_from_header:
             if ctx.tier not in self.config.tiers:
-                raise bad_request(
-                    f"unknown SLO tier {ctx.tier!r}; this service has: {', '.join(self.config.tiers)}", "x-slo-tier"
+                raise AdmissionError(
+                    "invalid", f"unknown SLO tier {ctx.tier!r}; this service has: {', '.join(self.config.tiers)}",
+                    "invalid_request", param="x-slo-tier",
                 )
             if limits.allowed_tiers is not None and ctx.tier not in limits.allowed_tiers:
-                raise APIError(
-                    403, f"this API key may not use the {ctx.tier!r} tier", param="x-slo-tier", code="tier_not_allowed"
+                raise AdmissionError(
+                    "forbidden", f"this API key may not use the {ctx.tier!r} tier", "tier_not_allowed", param="x-slo-tier"
                 )
         else:
             ctx.tier = limits.tier or self.config.default_tier
@@ -122,7 +124,7 @@ class AdmissionPolicy:
             not self.gate.would_meet(routed) and self.gate.would_meet(other)
         )
 
-    def shed_undecided(self, large: Ticket, waited_ms: float) -> APIError:
+    def shed_undecided(self, large: Ticket, waited_ms: float) -> AdmissionError:
         """The large model can't take the request and its tier may not be downgraded, so the
         router's verdict decides: served small, or shed. No verdict within `verdict_wait_ms`:
         shed now, where waiting for it made the slowest 503s under load."""
@@ -187,7 +189,7 @@ class AdmissionPolicy:
         }
 
 
-def _shed(ticket: Ticket, rej: Rejection) -> APIError:
+def _shed(ticket: Ticket, rej: Rejection) -> AdmissionError:
     extra: dict = {"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": ticket.tier}
     if ticket.deadline is not None:
         extra["deadline_ms"] = round((ticket.deadline - ticket.arrived) * 1000)
@@ -195,14 +197,14 @@ def _shed(ticket: Ticket, rej: Rejection) -> APIError:
         extra["ttft_deadline_ms"] = round((ticket.ttft_deadline - ticket.arrived) * 1000)
     if rej.predicted is not None:
         extra["predicted"] = rej.predicted.as_dict()
-    return APIError(503, rej.message, code=rej.reason, headers={"Retry-After": str(rej.retry_after_s)}, extra=extra)
+    return AdmissionError("shed", rej.message, rej.reason, retry_after_s=rej.retry_after_s, details=extra)
 
 
-def _over_limit(over: OverLimit, ctx: RequestContext) -> APIError:
-    return APIError(
-        429,
+def _over_limit(over: OverLimit, ctx: RequestContext) -> AdmissionError:
+    return AdmissionError(
+        "over_rate",
         f"rate limit: this API key is over its {over.limit} rate ({over.rate:g}/s)",
-        code=f"rate_limit_{over.limit}",
-        headers={"Retry-After": str(over.retry_after_s)},
-        extra={"limit": over.limit, "rate_per_s": over.rate, "retry_after_s": over.retry_after_s, "tier": ctx.tier},
+        f"rate_limit_{over.limit}",
+        retry_after_s=over.retry_after_s,
+        details={"limit": over.limit, "rate_per_s": over.rate, "retry_after_s": over.retry_after_s, "tier": ctx.tier},
     )

@@ -21,7 +21,8 @@ import httpx
 from tqdm import tqdm
 
 from bench.stack import QUESTIONS
-from bench.stats import server_timing_count, summary
+from bench.stats import summary
+from telemetry.clock import server_timing_count
 from bench.workloads import DOCS
 from configs.serve_config import load_serve_config
 
@@ -66,7 +67,7 @@ async def _conversations(base: str, model: str, n: int, workers: int, turns: int
 
 
 def run(quick: bool = False, requests: int | None = None, **_: object) -> dict:
-    from bench.service import running_service
+    from deployments.local import running_service
 
     conversations, workers, turns = (4, 1, 3) if quick else (8, 1, 4)
     serve_file = load_serve_config()

@@ -20,7 +20,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from bench.stats import server_timing, summary
+from bench.stats import summary
+from telemetry.clock import server_timing
 from configs.serve_config import load_serve_config
 from semantic_cache.evalset import PARAPHRASES, eval_pairs
 from semantic_cache.guards import mismatch
@@ -102,7 +103,7 @@ def http_latency(requests: int, max_tokens: int) -> dict:
     paraphrases (a semantic hit is only a first time) alternate between them."""
     import httpx
 
-    from bench.service import running_service_urls, without_rate_limits
+    from deployments.local import running_service_urls, without_rate_limits
 
     serve_file = load_serve_config()
     model = serve_file.args.target.engine.model_id
@@ -160,7 +161,7 @@ def http_latency(requests: int, max_tokens: int) -> dict:
 
 
 def near_miss_speedup(pairs_n: int, max_tokens: int) -> dict:
-    from engines.service import ModelService
+    from target.service import ModelService
     from engines.types import GenerateRequest, SamplingParams
     from ingress.prompts import PromptBuilder
     from ingress.protocol import ChatMessage

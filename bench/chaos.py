@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.service import running_service
+from deployments.local import kill_replica, replicas, running_service, wait_replaced
 from bench.stats import summary
 from configs.serve_config import load_serve_config
 
@@ -157,31 +157,6 @@ async def _load(base: str, workers: int, max_tokens: int, stop: threading.Event,
     await asyncio.gather(*(worker(w) for w in range(workers)))
 
 
-def replicas(app: str, deployment: str) -> list[str]:
-    """Actor names of a deployment's live replicas (Serve names them SERVE_REPLICA::app#deployment#id)."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
-
-
-def kill_replica(name: str) -> None:
-    """What a crash looks like to Serve: the actor is gone; the controller starts a replacement."""
-    import ray
-
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-
-
-def wait_replaced(app: str, deployment: str, victim: str, timeout_s: float = 180) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = replicas(app, deployment)
-        if alive and victim not in alive and _healthy(app, deployment):
-            return True
-        time.sleep(0.25)
-    return False
-
-
 def _admission_state(base: str) -> dict | None:
     """What one ingress's admission gate holds: running and queued requests, rejections so far."""
     try:
@@ -191,13 +166,6 @@ def _admission_state(base: str) -> dict | None:
     state = {k: gate.get(k) for k in ("inflight", "queued", "running_by_model", "others_inflight", "rejected")}
     state["itl_ms_by_concurrency"] = {m: e["itl_ms_by_concurrency"] for m, e in (gate.get("estimates") or {}).items()}
     return state
-
-
-def _healthy(app: str, deployment: str) -> bool:
-    from ray import serve
-    from ray.serve.schema import DeploymentStatus
-
-    return serve.status().applications[app].deployments[deployment].status == DeploymentStatus.HEALTHY
 
 
 def run(requests: int | None = None, max_tokens: int = 24, quick: bool = False) -> dict:

@@ -9,7 +9,7 @@ Per setting: each model's ms per output token and TTFT, against each alone.
 torch's OpenMP threads spin at every barrier: when a third busy thread takes one of the cores,
 a descheduled team member holds the whole team up, and which process loses depends on who
 yields. This suite shows what the gap between the two models' niceness does about it, and what
-`share_cores` (one thread per pass while another process is busy, engines/cores.py) does. The
+`share_cores` (one thread per pass while another process is busy, host_tuning/cores.py) does. The
 children start at this process's level (0 from a shell), so the levels are the ones set; in
 the service Ray starts every worker at 15 (`RAY_worker_niceness`), the ingress and proxy too.
 """
@@ -30,7 +30,7 @@ from bench.stats import summary
 
 PROMPT = "Write a detailed story about a dragon and a knight, part {i}."
 # (target nice, small model nice, share_cores); None: that model does not run. share_cores: the
-# engines' setting (engines/cores.py), off to show what the niceness gap alone does.
+# engines' setting (host_tuning/cores.py), off to show what the niceness gap alone does.
 SETTINGS = [
     (19, None, True), (None, 19, True),
     (19, 19, True), (19, 19, False), (15, 19, True), (15, 19, False),
@@ -40,15 +40,14 @@ SETTINGS = [
 
 def _worker(stage_name: str, nice: int, seconds: float, start_at: float, max_tokens: int, share_cores: bool) -> dict:
     from configs.serve_config import load_serve_config
-    from engines.niceness import set_niceness
-    from engines.service import ModelService
+    from configs.schemas import HostTuningConfig
+    from host_tuning.niceness import set_niceness
+    from target.service import ModelService
     from ingress.prompts import PromptBuilder
 
     set_niceness(nice)  # as the replica does, before any thread starts: every later one inherits it
     stage = getattr(load_serve_config().args, stage_name).model_copy(deep=True)
-    for engine in filter(None, (stage.engine, stage.speculative.draft_engine)):
-        engine.share_cores = share_cores
-    service = ModelService(stage)
+    service = ModelService(stage, host=HostTuningConfig(enabled=True, share_cores=share_cores))
     builder = PromptBuilder(service.engine.tokenizer)
 
     async def loop() -> tuple[list[float], list[float]]:

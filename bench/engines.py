@@ -31,7 +31,7 @@ import os
 import platform
 import time
 
-from bench.service import running_service
+from deployments.local import running_service
 from bench.stats import summary
 from configs.schemas import AppArgs, ModelStageConfig
 from configs.serve_config import ServeFile, load_serve_config
@@ -141,7 +141,7 @@ async def _alone(service, prompts: list[list[int]], engine: str, dtype: str, max
 
 
 def _transformers_runs(max_tokens: int, waves: int, dtype: str) -> list[dict]:
-    from engines.service import ModelService
+    from target.service import ModelService
 
     stage = load_serve_config().args.target
     _set_dtype(stage, dtype)

@@ -33,7 +33,8 @@ from pathlib import Path
 import httpx
 
 from bench.stack import CONTEXT, QUESTIONS
-from bench.stats import percentile, server_timing, server_timing_count
+from bench.stats import percentile
+from telemetry.clock import server_timing, server_timing_count
 from bench.workloads import CODE, DOCS, RAG_QUESTIONS
 from engines.types import ENGINE_QUEUE_COUNTS
 
@@ -322,7 +323,7 @@ def _plot(points: list[dict], capacity: float, path: Path) -> None:
 def run(quick: bool = False, out: str | None = None, requests: int | None = None, **_: object) -> dict:
     from tqdm import tqdm
 
-    from bench.service import running_service
+    from deployments.local import running_service
 
     duration, warm_in = (30.0, 10.0) if quick else (60.0, WARM_IN_S)
     cap = requests or 2000

@@ -167,15 +167,15 @@ def _lookup_windows(app_name: str) -> dict[str, int]:
     from ray import serve
 
     stats = serve.get_deployment_handle("TargetModel", app_name=app_name).stats.remote().result(timeout_s=30)
-    return {"beside_lookup": stats["prefills_beside_lookup"], "signalled": stats["lookup_windows_signalled"]}
+    return {"beside_lookup": stats.get("prefills_beside_lookup", 0), "signalled": stats.get("lookup_windows_signalled", 0)}
 
 
 def run(
     requests: int = 40, max_tokens: int = 24, quick: bool = False, out: str | None = None,
     rounds: int = 6, block: int = 8, clients: int = 4,
 ) -> dict:
-    from bench.otlp_sink import OTLPSink
-    from bench.service import running_service, running_service_urls, without_rate_limits
+    from telemetry.otlp_sink import OTLPSink
+    from deployments.local import running_service, running_service_urls, without_rate_limits
 
     if quick:
         requests, rounds = min(requests, 6), 2
@@ -252,7 +252,7 @@ def run(
         # token); `x.y` entries are details inside stage x, not added.
         "stages": {name: p50(v) for name, v in stack["stages"].items()},
         # Prefills started beside the lookup, and the windows (one core left to it) that the
-        # lookup board ended rather than the ingress's estimate (engines/lookup_signal.py).
+        # lookup board ended rather than the ingress's estimate (host_tuning/lookup_window.py).
         "lookup_windows": windows,
         "cache_outcomes": stack["outcomes"],
         # Cache-Control: no-cache: the stack without the cache lookup (its hops and the embedding).

@@ -35,7 +35,7 @@ async def _block(service, builder, block: int, streams: int, arrivals: int) -> t
 
 
 def run(requests: int = 8, quick: bool = False, blocks: int = 6, streams: int = 3) -> dict:
-    from engines.service import ModelService
+    from target.service import ModelService
     from ingress.prompts import PromptBuilder
 
     if quick:

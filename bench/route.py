@@ -23,7 +23,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from bench.stats import server_timing, summary
+from bench.stats import summary
+from telemetry.clock import server_timing
 from configs.serve_config import load_serve_config
 from router.base import RouteFeatures
 from router.classifier import DifficultyClassifier
@@ -134,7 +135,7 @@ def _phase_summary(results: list[dict], small_model: str) -> dict:
 def mixed_load(requests: int, concurrency: int, max_tokens: int, rounds: int) -> dict:
     import httpx
 
-    from bench.service import running_service
+    from deployments.local import running_service
 
     serve_file = load_serve_config()
     target = serve_file.args.target.engine.model_id

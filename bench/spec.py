@@ -134,7 +134,7 @@ def _measure(service, workloads: dict, candidates: dict, max_tokens: int) -> tup
 
 
 def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
-    from engines.service import ModelService
+    from target.service import ModelService
     from ingress.prompts import PromptBuilder
     from ingress.protocol import ChatMessage
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
-from bench.stats import server_timing, summary
+from bench.stats import summary
+from telemetry.clock import server_timing
 from configs.serve_config import load_serve_config
 
 QUESTIONS = [
@@ -84,7 +85,7 @@ class DirectEngine:
     """The engine called in this process (no Ray, no HTTP), one request at a time."""
 
     def __init__(self, stage_config) -> None:
-        from engines.service import ModelService
+        from target.service import ModelService
         from ingress.prompts import PromptBuilder
 
         self.service = ModelService(stage_config)
@@ -182,7 +183,7 @@ def _through_stack(base_url: str, model: str, conversations, max_tokens: int) ->
 
 def run(requests: int = 16, max_tokens: int = 32, hop_requests: int = 300, quick: bool = False) -> dict:
     from bench.hops import measure_hops
-    from bench.service import running_service
+    from deployments.local import running_service
 
     if quick:  # a smoke run: fewer requests and hop samples
         requests, hop_requests = min(requests, 4), min(hop_requests, 60)

@@ -84,7 +84,7 @@ def _generate(engine, ids: list[int], max_tokens: int) -> tuple[float, str]:
 
 
 def run(requests: int | None = None, max_tokens: int = 16, quick: bool = False) -> dict:
-    from engines.service import ModelService
+    from target.service import ModelService
 
     stage = load_serve_config().args.target.model_copy(deep=True)
     stage.engine.prefix_cache.enabled = False

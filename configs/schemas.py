@@ -104,11 +104,6 @@ class EngineConfig(_Strict):
         "engine). `python -m bench ttft` measures speed and greedy agreement with float32"
     )
     num_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads in this replica")
-    share_cores: bool = Field(
-        True, description="CPU engines: run a forward pass on num_threads only while other processes use < 0.35 cores "
-        "(sampled off the request path), else on 1 (engines/cores.py): 2 threads beside a busy model stall at every barrier (~5x slower "
-        "decode here), 1 thread decodes as fast as 2 alone"
-    )
     max_model_len: int = Field(2048, ge=16, description="prompt + completion tokens per request")
     cache_dir: str | None = Field(None, description="converted-weights cache; default ~/.cache/latency-serve")
     warmup: bool = True
@@ -122,12 +117,6 @@ class EngineConfig(_Strict):
         "auto", description="llama_cpp: ggml's extra CPU buffer types (weights repacked for AMX / wide SIMD "
         "kernels). auto: off on CPUs with AMX, where the bundled llama.cpp's AMX matmul crashed the replica "
         "(SIGSEGV in ggml_backend_amx_mul_mat on the first prompt), on elsewhere",
-    )
-    nice: int = Field(
-        0, ge=0, le=19, description="OS niceness level of the model replica's compute threads, absolute (Ray "
-        "starts every worker at RAY_worker_niceness, 15 by default; a lower level is left as it is): above the "
-        "ingress and proxy's, their small, latency-critical work runs ahead of the compute; between two model "
-        "stages, the gap decides how they share the cores when both decode (bench contention)"
     )
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     max_batch_size: int = Field(
@@ -183,11 +172,6 @@ class ModelStageConfig(_Strict):
 
     engine: EngineConfig
     speculative: SpeculativeConfig = SpeculativeConfig()
-    channel: bool = Field(
-        False, description="an ingress on this replica's node streams from it over a Unix socket while the "
-        "deployment has one replica and no autoscaling_config (deployments/channel.py); those calls skip Serve's "
-        "router, queue limits and ongoing-requests count",
-    )
 
     @model_validator(mode="after")
     def _vllm_speculates_itself(self) -> "ModelStageConfig":
@@ -288,18 +272,10 @@ class SemanticConfig(_Strict):
         return self
 
 
-_FRONT_NICE = (
-    "OS niceness of this replica's process, every thread (Ray starts workers at 15): below the model "
-    "replicas' 19 it runs ahead of their compute, not beside it; needs CAP_SYS_NICE to go under 15 (else "
-    "a warning and Ray's level); null: leave Ray's"
-)
-
-
 class CacheConfig(_Strict):
     """Response cache: an exact-match fast path, then a semantic (MiniLM + Qdrant) lookup."""
 
     enabled: bool = True
-    nice: int | None = Field(0, ge=-20, le=19, description=_FRONT_NICE)
     max_entries: int = Field(10_000, ge=1)
     ttl_s: float = Field(3600.0, gt=0)
     sampled_opt_in: bool = Field(
@@ -313,11 +289,6 @@ class CacheConfig(_Strict):
     near_ttl_s: float = Field(
         30.0, gt=0, description="how long an ingress keeps a near copy: bounds staleness after another "
         "ingress replica's invalidate"
-    )
-    channel: bool = Field(
-        True, description="ingresses on the cache replica's node look up over a Unix socket beside the handle "
-        "(deployments/channel.py: ~7 ms less per miss beside a prefill here); not while SemanticCache "
-        "autoscales (Serve scales on the calls it sees)",
     )
     semantic: SemanticConfig = SemanticConfig()
 
@@ -430,7 +401,6 @@ class InputLimits(_Strict):
 
 class IngressConfig(_Strict):
     served_model_ids: list[str] | None = Field(None, description="default: auto + every engine's model_id")
-    nice: int | None = Field(0, ge=-20, le=19, description=_FRONT_NICE)
     max_body_bytes: int = Field(1_048_576, ge=1024, description="request body size (413 above it)")
     limits: InputLimits = InputLimits()
     sampling: SamplingDefaults = SamplingDefaults()
@@ -465,6 +435,53 @@ class IngressConfig(_Strict):
         False, description="every response's Server-Timing carries the engine's inner counts (prefix tokens "
         "reused, jobs queued ahead); off: only admin keys see them, since they tell one tenant about another's prompts",
     )
+
+
+class HostTuningConfig(_Strict):
+    """Mechanisms for a small CPU box whose cores every stage shares (docs/small-cpu-tuning.md,
+    host_tuning/). Off by default, and in the GPU profiles: then none of them runs."""
+
+    enabled: bool = Field(False, description="turn on the mechanisms below (each can then be turned off alone)")
+    front_nice: int | None = Field(
+        0, ge=-20, le=19, description="OS niceness of the ingress's and the cache's processes, every thread (Ray "
+        "starts workers at 15): below the models' level their small, latency-critical work runs ahead of the "
+        "compute; going under 15 needs CAP_SYS_NICE (else a warning); null: leave Ray's",
+    )
+    model_nice: int = Field(
+        19, ge=0, le=19, description="OS niceness of the model replicas' compute threads, a level (not an increment)"
+    )
+    share_cores: bool = Field(
+        True, description="a CPU engine's forward pass runs on all its threads only while other processes use "
+        "under 0.35 cores, else on one: two threads beside a busy model stall at every barrier",
+    )
+    side_channels: bool = Field(
+        True, description="an ingress calls the cache and model replicas on its node over Unix sockets "
+        "(deployments/channel.py) while a deployment has one replica and no autoscaling",
+    )
+    lookup_window: bool = Field(
+        True, description="a prefill that starts beside the cache lookup keeps to one thread until the lookup's "
+        "embedding is done (host_tuning/lookup_window.py)",
+    )
+
+    @property
+    def front_level(self) -> int | None:
+        return self.front_nice if self.enabled else None
+
+    @property
+    def model_level(self) -> int | None:
+        return self.model_nice if self.enabled else None
+
+    @property
+    def cores_shared(self) -> bool:
+        return self.enabled and self.share_cores
+
+    @property
+    def channels(self) -> bool:
+        return self.enabled and self.side_channels
+
+    @property
+    def window(self) -> bool:
+        return self.enabled and self.lookup_window
 
 
 class AuthConfig(_Strict):
@@ -530,6 +547,7 @@ class AppArgs(_Strict):
     ingress: IngressConfig = IngressConfig()
     auth: AuthConfig = AuthConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    host_tuning: HostTuningConfig = HostTuningConfig()
     handle_transport: Literal["grpc", "actor"] = Field(
         "grpc",
         description="how one deployment calls another (ingress -> cache/router/models, target -> remote draft): "

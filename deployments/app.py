@@ -18,7 +18,9 @@ from ray.serve import Application
 from configs.schemas import AppArgs
 from deployments.ingress import Ingress
 from deployments.models import DraftModel, TargetModel
-from deployments.stages import AdmissionController, Router, SemanticCache
+from deployments.cache import SemanticCache
+from deployments.controller import AdmissionController
+from deployments.router import Router
 
 
 def build_app(args: AppArgs) -> Application:
@@ -46,13 +48,16 @@ def build_graph(
         return deployment.options(**options) if options else deployment
 
     admission = with_options(AdmissionController).bind(args.admission.model_dump(), args.telemetry.metrics.enabled)
-    cache = with_options(SemanticCache).bind(args.cache.model_dump(), admission)
+    cache = with_options(SemanticCache).bind(args.cache.model_dump(), admission, args.host_tuning.model_dump())
     router = with_options(Router).bind(
         args.router.model_dump(), args.target.engine.model_id, args.draft.engine.model_id
     )
     telemetry = args.telemetry.model_dump()
-    draft = with_options(DraftModel).bind(args.draft.model_dump(), telemetry)
+    host = args.host_tuning.model_dump()
+    draft = with_options(DraftModel).bind(args.draft.model_dump(), telemetry, host)
     # Remote speculation: the target calls the draft deployment once per round.
     remote_draft = draft if args.target.speculative.placement == "remote" and "draft_model" in args.target.speculative.method else None
-    target = with_options(TargetModel).bind(args.target.model_dump(), remote_draft, telemetry, args.handle_transport)
+    target = with_options(TargetModel).bind(
+        args.target.model_dump(), remote_draft, telemetry, args.handle_transport, host
+    )
     return with_options(Ingress).bind(args.model_dump(), admission, cache, router, target, draft)

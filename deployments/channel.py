@@ -1,7 +1,7 @@
 """A same-node side channel to a deployment's replica: a Unix socket, beside its Serve handle.
 
 A cache lookup runs beside a prefill, and every millisecond it takes keeps the prefill on one
-thread (engines/lookup_signal.py); a model call's way there and its first chunk back are on
+thread (host_tuning/lookup_window.py); a model call's way there and its first chunk back are on
 every request's TTFT. Over a Serve handle those hops cost ~2 ms alone and ~4-10 ms beside a
 prefill (the router thread, gRPC, the replica's request machinery, and back); over this
 socket a call is one write and one read (0.09 ms p50 alone, `python -m bench hops`). Serve
@@ -51,7 +51,7 @@ _NONCE = 32
 _ALLOWED = {
     ("engines.types", "GenerateRequest"), ("engines.types", "SamplingParams"), ("engines.types", "GenerateChunk"),
     ("semantic_cache.cache", "CacheEntry"), ("semantic_cache.cache", "Lookup"),
-    ("semantic_cache.exact", "CachedResponse"),
+    ("semantic_cache.exact", "CachedResponse"), ("host_tuning.lookup_window", "LookupOverlap"),
     ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
     ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
     ("numpy._core.multiarray", "scalar"), ("numpy._core.numeric", "_frombuffer"),
@@ -192,6 +192,8 @@ class ChannelServer:
 
 class ChannelError(ConnectionError):
     """The connection failed: the call may not have run; another way to the replica may work."""
+
+    replica_gone = True  # to the request path: as a dead replica (retried once over the handle)
 
 
 class RemoteError(RuntimeError):

@@ -18,7 +18,7 @@ from configs.schemas import AppArgs, EngineConfig
 from deployments.channel import ChannelClient, ChannelError, ChannelPool
 from deployments.transport import over
 from engines.model_store import resolve_model_dir
-from engines.niceness import ahead_of_compute
+from host_tuning.niceness import ahead_of_compute
 from engines.types import GenerateChunk, GenerateRequest
 from ingress.api import build_api
 from ingress.direct import DirectListener
@@ -194,20 +194,21 @@ class Ingress:
         draft: DeploymentHandle,
     ) -> None:
         config = AppArgs.model_validate(args)
-        if config.ingress.nice is not None:
-            ahead_of_compute(config.ingress.nice, "Ingress")
+        host = config.host_tuning
+        if host.front_level is not None:
+            ahead_of_compute(host.front_level, "Ingress")
         hop = config.handle_transport
         # Side channels (deployments/channel.py) to replicas on this node: found off the
         # request path by _find_channels, used while they answer.
         node_id = ray.get_runtime_context().get_node_id()
         finding: list[tuple[ChannelPool, DeploymentHandle, str | None]] = []
         cache_channels = None
-        if config.cache.enabled and config.cache.channel:
+        if config.cache.enabled and host.channels:
             cache_channels = ChannelPool(node_id)
             finding.append((cache_channels, over(cache, hop), None))  # any number of cache replicas
         model_channels = {}
         for stage, handle, name in ((config.target, target, "TargetModel"), (config.draft, draft, "DraftModel")):
-            if stage.channel:
+            if host.channels:
                 # Only while the model has one replica: with more, Serve's router places each
                 # call (prefix affinity, queue lengths) and the handle goes there.
                 model_channels[stage.engine.model_id] = pool = ChannelPool(node_id, max_in_flight=64)

@@ -11,13 +11,12 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from configs.schemas import ModelStageConfig, TelemetryConfig
+from configs.schemas import HostTuningConfig, ModelStageConfig, TelemetryConfig
 from deployments.channel import ChannelServer, offer, shut
 from deployments.transport import over
 from draft.remote import DraftSessions, RemoteDraft
-from engines.factory import build_service
-from engines.niceness import set_niceness
-from engines.service import ModelService
+from host_tuning.niceness import set_niceness
+from target.service import ModelService, build_service
 from engines.vllm_service import VLLMService
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from telemetry.metrics import EngineMetrics
@@ -28,14 +27,16 @@ log = logging.getLogger(__name__)
 
 class _ModelDeployment:
     async def __init__(
-        self, args: dict, draft: DeploymentHandle | None = None, telemetry: dict | None = None, transport: str = "grpc"
+        self, args: dict, draft: DeploymentHandle | None = None, telemetry: dict | None = None,
+        transport: str = "grpc", host_tuning: dict | None = None,
     ) -> None:
         config = ModelStageConfig.model_validate(args)
         observe = TelemetryConfig.model_validate(telemetry or {})
-        if config.engine.nice:
-            set_niceness(config.engine.nice)
+        host = HostTuningConfig.model_validate(host_tuning or {})
+        if host.model_level:
+            set_niceness(host.model_level)  # the compute below the request path (Ray starts us at 15)
         remote = RemoteDraft(over(draft, transport)) if draft is not None else None
-        self.service = build_service(config, remote)
+        self.service = build_service(config, remote, host)
         if isinstance(self.service, VLLMService):
             await self.service.warmup()  # ModelService warms up in its constructor, on its worker thread
         self._model_id = config.engine.model_id
@@ -48,7 +49,7 @@ class _ModelDeployment:
             self._replica_id = f"pid-{os.getpid()}"
         self._channel = None  # generate and late_hint on a Unix socket too, for ingresses on this node
         self._channel_streams = 0
-        if config.channel:
+        if host.channels:
             methods = {"generate": self._channel_generate, "late_hint": self.late_hint}
             self._channel = await ChannelServer(methods).start()
 
@@ -124,8 +125,8 @@ class TargetModel(_ModelDeployment):
 class DraftModel(_ModelDeployment):
     """The small model: serves whole routed requests, and drafts for remote speculation."""
 
-    async def __init__(self, args: dict, telemetry: dict | None = None) -> None:
-        await super().__init__(args, telemetry=telemetry)
+    async def __init__(self, args: dict, telemetry: dict | None = None, host_tuning: dict | None = None) -> None:
+        await super().__init__(args, telemetry=telemetry, host_tuning=host_tuning)
         # Remote drafting drives the engine's forward passes: CPU engines only (a vLLM target
         # speculates inside vLLM, see configs/schemas.py).
         self.sessions = DraftSessions(self.service.engine) if isinstance(self.service, ModelService) else None

@@ -11,6 +11,7 @@ def build_proposers(
     config: SpeculativeConfig,
     remote_draft: Proposer | None = None,
     draft_engine: Engine | None = None,
+    share_cores: bool = False,
 ) -> tuple[list[Proposer], Engine | None]:
     """Return (drafters, the co-located draft engine if any). Free lookups first.
 
@@ -33,6 +34,6 @@ def build_proposers(
                 from engines.factory import build_engine
 
                 assert config.draft_engine is not None
-                draft_engine = build_engine(config.draft_engine)
+                draft_engine = build_engine(config.draft_engine, share_cores)
             parts.append(ModelDraft(draft_engine))
     return parts, (draft_engine if "draft_model" in config.method and config.placement == "colocated" else None)

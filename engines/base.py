@@ -14,7 +14,6 @@ drives it. Speculative decoding needs exactly these four operations:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +43,6 @@ class Engine(ABC):
     # Sequences it can hold at once without evicting one's KV (llama.cpp: its contexts); None:
     # no fixed limit. Past it, every step would recompute an evicted sequence's whole context.
     max_sequences: int | None = None
-    one_core_released: tuple[float, str] | None = None  # see leave_one_core
 
     @abstractmethod
     def new_sequence(self, salt: int = 0) -> Sequence:
@@ -78,11 +76,3 @@ class Engine(ABC):
         """From another thread: True makes the pass under way raise `PassStopped` at its next
         layer (its request was cancelled: a cache hit beside it, a client gone), False clears
         that. A no-op where a pass can't be stopped midway: it then runs to its end."""
-
-    def leave_one_core(self, until: float, ended: Callable[[], bool] | None = None) -> bool:
-        """Until `until` (time.perf_counter), or until `ended()` says so first, the passes leave
-        one core free: another process works for the same request meanwhile (the cache
-        lookup's embedding). 0 ends it. The engine sets `one_core_released` to (when, "estimate"
-        or "signal") as it takes the core back. True if it keeps such windows; False and a
-        no-op where passes don't share the box's cores (one thread, a GPU)."""
-        return False

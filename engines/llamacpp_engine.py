@@ -30,9 +30,9 @@ import torch
 
 from configs.schemas import EngineConfig
 from engines.base import Engine, Sequence
-from engines.cores import CoreShare
 from engines.cpu_features import cpu_has_amx
 from engines.model_store import package_dir, requantized_gguf, resolve_model_dir
+from host_tuning.cores import CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class _SeqState:
 
 
 class LlamaCppEngine(Engine):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, share_cores: bool = False) -> None:
         from llama_cpp import Llama
         from transformers import AutoTokenizer
 
@@ -100,7 +100,7 @@ class LlamaCppEngine(Engine):
                     verbose=False,
                 )
 
-        self.cores = CoreShare(config.num_threads, config.share_cores)
+        self.cores = CoreShare(config.num_threads, share_cores)
         self._threads: dict[int, int] = {}  # context id -> the threads it was last set to
         self._slots = [context(gguf) for _ in range(config.max_sequences)]
         self._prefill = None
@@ -227,7 +227,7 @@ class LlamaCppEngine(Engine):
         return torch.from_numpy(logits)
 
     def _pick_threads(self, llm) -> None:
-        """All threads on an idle box, one beside a busy one (engines/cores.py)."""
+        """All threads on an idle box, one beside a busy one (host_tuning/cores.py)."""
         if not self.cores.enabled:
             return
         import llama_cpp

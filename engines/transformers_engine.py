@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from configs.schemas import EngineConfig
 from engines.base import Engine, PassStopped, Sequence
-from engines.cores import CoreShare
 from engines.model_store import resolve_model_dir
 from engines.prefix_cache import PrefixCache
+from host_tuning.cores import CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +21,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.f
 
 
 class TransformersEngine(Engine):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, share_cores: bool = False) -> None:
         start = time.monotonic()
         torch.set_num_threads(config.num_threads)
-        self.cores = CoreShare(config.num_threads, config.share_cores)
+        self.cores = CoreShare(config.num_threads, share_cores)  # off: every pass on all its threads
         self._threads = config.num_threads
         model_dir = resolve_model_dir(config.source, config.cache_dir)
         self.model_id = config.model_id
@@ -41,6 +41,7 @@ class TransformersEngine(Engine):
         # A pass that leaves a core free until a moment (or until `ended` says so) goes back to
         # all its threads at the next check after it: before each decoder layer and before its
         # MLP (~2.5 ms apart in a 2-thread prefill; a check is ~1 us).
+        self.one_core_released: tuple[float, str] | None = None  # (when, why) the last window ended
         self._one_core_until = 0.0
         self._one_core_ended: Callable[[], bool] | None = None
         self._pass_threads = config.num_threads
@@ -129,6 +130,10 @@ class TransformersEngine(Engine):
             seq.length = length
 
     def leave_one_core(self, until: float, ended: Callable[[], bool] | None = None) -> bool:
+        """Until `until` (time.perf_counter), or until `ended()` says so first, passes keep to one
+        thread: another process works for the same request meanwhile (host tuning's lookup
+        window, host_tuning/lookup_window.py). 0 ends it; `one_core_released` says when and why
+        the core came back."""
         self._one_core_until = until
         self._one_core_ended = ended
         self.one_core_released = None

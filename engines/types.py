@@ -7,7 +7,10 @@ so they should be cheap to pickle. Validation happens once, at the HTTP edge.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from host_tuning.lookup_window import LookupOverlap
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -38,12 +41,9 @@ class GenerateRequest:
     deadline_unix: float | None = None  # absolute wall-clock deadline, if the client set one
     draft_hint_ids: list[int] | None = None  # e.g. a near-miss cached answer, for the hint drafter
     trace: dict[str, str] | None = None  # W3C traceparent of the ingress's model-call span, when traced
-    # The ingress's cache lookup runs beside this request for about this long after sending it
-    # (overlap_cache_lookup): the prefill leaves a core to the lookup's embedding meanwhile.
-    lookup_overlap_ms: float = 0.0
-    # Its id on the lookup board (engines/lookup_signal.py): on the ingress's node the prefill
-    # takes its core back the moment the ingress has handled the lookup, not at the estimate.
-    lookup_id: str | None = None
+    # Host tuning: the ingress's cache lookup runs beside this request's prefill, which leaves
+    # it a core meanwhile (host_tuning/lookup_window.py); None elsewhere.
+    lookup_overlap: LookupOverlap | None = None
     sent_unix: float | None = None  # when the ingress sent it (time.time): the replica times the hop in
     # Its tenant, hashed: prefix KV is reused only between requests with the same salt (vLLM's
     # cache_salt), so a tenant can't probe another's prompts by reuse or timing.

@@ -8,6 +8,8 @@ from typing import Any
 
 from starlette.responses import Response
 
+from admission.errors import AdmissionError
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -55,6 +57,15 @@ class APIError(Exception):
         return Response(
             json.dumps(self.body()), status_code=self.status, media_type="application/json", headers=self.headers
         )
+
+
+_ADMISSION_STATUS = {"invalid": 400, "forbidden": 403, "over_rate": 429, "shed": 503}
+
+
+def from_admission(err: AdmissionError) -> APIError:
+    """Admission's refusal as HTTP: 400, 403, 429 or 503, with Retry-After where it says when."""
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return APIError(_ADMISSION_STATUS[err.kind], err.message, param=err.param, code=err.code, headers=headers, extra=err.details)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:

@@ -3,7 +3,7 @@
     HTTP body ─► validate (400/413), cache key
               ─► a repeat this replica answered lately: answer now (no tokenizer, no hop)
               ─► cache lookup ║ tokenize once (400 if it can't fit) ║ routing
-                   lookup = one hop to the SemanticCache (a Unix socket on its node): exact match;
+                   lookup = one hop to the SemanticCache: exact match;
                             on a miss, the MiniLM embedding (made there, once per request) and
                             the Qdrant search
                    routing = rules, then the difficulty classifier on the embedding the lookup
@@ -36,33 +36,32 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from admission.budget import trim_conversation
+from admission.errors import AdmissionError
 from admission.gate import AdmissionGate, Ticket
-from admission.policy import AdmissionPolicy, Mode
-from configs.schemas import AppArgs, InputLimits, TierConfig
-from engines.lookup_signal import LookupBoard, lookup_id
-from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest, SamplingParams
+from admission.policy import AdmissionPolicy
+from admission.request import RequestContext
+from configs.schemas import AppArgs
+from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest
+from host_tuning.lookup_window import LookupWindow
 from ingress.auth import KeyRing
 from ingress.coalescing import Flights
-from ingress.context import RequestContext, context_from_headers
-from ingress.errors import APIError, bad_request, describe
+from ingress.context import context_from_headers
+from ingress.errors import APIError, bad_request, describe, from_admission
+from ingress.prepare import INLINE_TOKENIZE_CHARS, Prepared, Preparer
 from ingress.prompts import PromptBuilder
-from ingress.protocol import ChatCompletionRequest, CompletionRequest, lone_surrogate_at
 from ingress.responses import Kind, SSEWriter, full_response
 from router.base import RouteDecision, RouteFeatures
 from router.factory import make_router
-from router.rules import fixed_route
 from router.load import LoadTracker
+from router.rules import fixed_route
 from semantic_cache.cache import CacheEntry, Lookup
 from semantic_cache.exact import CachedResponse, ExactCache
-from semantic_cache.keys import exact_key, scope_key, split_query
 from telemetry.clock import StageClock
 from telemetry.metrics import SHED_REASONS, RequestMetrics
 from telemetry.tracing import RequestTrace
@@ -91,54 +90,8 @@ class Backends(Protocol):
     def late_hint(self, model_id: str, request_id: str, hint_ids: list[int]) -> None: ...
 
 
-@dataclass
-class Prepared:
-    """A validated request, ready to admit."""
-
-    kind: Kind
-    ctx: RequestContext
-    request: ChatCompletionRequest | CompletionRequest
-    requested_model: str
-    sampling: SamplingParams  # max_tokens is set by _tokenize, from the prompt's length
-    stream: bool
-    include_usage: bool
-    features: RouteFeatures
-    cache_key: str | None  # None: this request neither reads nor writes the cache
-    scope: str | None  # semantic scope (None: exact match only)
-    query: str | None  # the last user turn, what the semantic lookup compares
-    tokenize: Callable[[PromptBuilder], list[int]]  # re-tokenize for another model's tokenizer
-    tier: TierConfig
-    mode: Mode
-    chars: int = 0  # characters of message content or prompt: how long tokenizing it takes
-    prompt_ids: list[int] = field(default_factory=list)  # filled by _tokenize
-    vector: Any = None  # the request's embedding (from the cache lookup, or made here): router and write
-    lookup_done: asyncio.Event = field(default_factory=asyncio.Event)  # the cache lookup is over (or skipped)
-    coalesced: bool = False  # follows an identical generation already in flight
-    retried: bool = False  # a model replica died under this request and it was sent again
-    ticket: Ticket | None = None  # its admission slot (predictive mode)
-    admitted_at: float = 0.0  # perf_counter() when admitted: model-side times count from here
-    notes: dict[str, str] = field(default_factory=dict)  # response headers saying what admission changed
-    clock: StageClock = field(default_factory=StageClock)  # where its time went: Server-Timing, spans, metrics
-    trace: RequestTrace | None = None  # its spans, when tracing is on and the trace is sampled
-    model: str = ""  # the model that answers (after routing / downgrade; the cache's for a hit)
-    route: str = ""  # why: RouteDecision.reason
-    cache_state: str = "none"  # hit / miss / hint / bypass
-    engine_queue_ms: float = 0.0  # the model replica's queue and prefill, from its first chunk
-    decode_chunks: int = 0  # chunks with tokens after the first: the engine steps it took
-    prefill_ms: float | None = None
-    streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
-
-
-# Prompts longer than this are tokenized (and trimmed) on a worker thread, not on the event
-# loop every request and /health share: tokenizing ~8k characters takes a few ms.
-INLINE_TOKENIZE_CHARS = 8192
-
 # How often a request waiting for the router on an idle box checks that it still is.
 RECHECK_S = 0.01
-
-# Past the embedding's own time: a window that ends before it leaves the two contending (a
-# probe: +13.7 ms TTFT with the window 4 ms short, +5.5-6.4 with it 5-8 ms long).
-OVERLAP_MARGIN_MS = 3.0
 
 
 def _upgrade(p: Prepared, large: str) -> RouteDecision:
@@ -183,6 +136,41 @@ class Permit:
                 callback()
 
 
+@dataclass
+class InFlight:
+    """What one request has under way between the steps of `Pipeline._serve`."""
+
+    lookup: asyncio.Future | None = None  # the cache lookup
+    routing: asyncio.Future | None = None  # the router's verdict
+    permit: Permit | None = None  # its admission slot
+    stream: ModelStream | None = None  # the model call
+    first_chunk: asyncio.Future | None = None
+    decision: RouteDecision | None = None  # the model that answers, and why
+    builder: PromptBuilder | None = None  # that model's prompt builder
+    generate: GenerateRequest | None = None  # what was sent to it
+    first_at: float = 0.0  # perf_counter() at its first chunk
+
+    def call_off(self) -> None:
+        """A cache hit beside the model call: stop the model, free the slot."""
+        if self.first_chunk is not None:
+            self.first_chunk.cancel()
+        if self.stream is not None:
+            self.stream.cancel()
+            self.stream = None
+        if self.permit is not None:
+            self.permit.release()
+
+    def abandon(self) -> None:
+        """An error, a timeout or the client gone (CancelledError): free the slot, stop the model."""
+        if self.permit is not None:
+            self.permit.release()
+        for pending in (self.lookup, self.routing, self.first_chunk):
+            if pending is not None and not pending.done():
+                pending.cancel()
+        if self.stream is not None:
+            self.stream.cancel()
+
+
 class Pipeline:
     def __init__(
         self, args: AppArgs, backends: Backends, prompts: dict[str, PromptBuilder], embedder: Embedder | None = None
@@ -192,25 +180,16 @@ class Pipeline:
         self.embedder = embedder  # the classifier's, for requests that skip the cache (the lookup brings one)
         self.flights = Flights()
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        # A model call started beside the lookup leaves a core free until this ingress marks the
-        # lookup handled on the board (engines/lookup_signal.py), where the model replica
-        # shares its node. Elsewhere, and as a backstop, the replica goes by an estimate
-        # (GenerateRequest.lookup_overlap_ms): how long a lookup's embedding and search take in
-        # the cache replica (EMA), plus a margin.
-        self.lookup_embed_ms = 20.0
-        self.board = LookupBoard()
+        # Host tuning: a model call started beside the lookup leaves the lookup a core.
+        self.lookup_window = LookupWindow(args.host_tuning.window)
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
         near = args.cache.model_copy(update={"max_entries": max(1, args.cache.near_entries), "ttl_s": args.cache.near_ttl_s})
         self.near_cache = ExactCache(near) if args.cache.near_entries > 0 else None
         self.prompts = prompts  # model id -> prompt builder ("auto" uses the target's)
-        self.max_model_len = {
-            args.target.engine.model_id: args.target.engine.max_model_len,
-            args.draft.engine.model_id: args.draft.engine.max_model_len,
-            args.router.auto_model_id: args.target.engine.max_model_len,
-        }
         self.keys = KeyRing(args.auth, args.admission.tenants)
         self.admission = AdmissionPolicy(args.admission, own_buckets=self.keys.owners())
+        self.preparer = Preparer(args, prompts, self.admission)
         self.gate = self.admission.gate
         # llama.cpp holds a fixed number of sequences per replica; the gate counts them.
         self.admission.set_seats({
@@ -252,15 +231,16 @@ class Pipeline:
             tier = self.admission.tier(ctx)
             if mode == "fifo":  # admission off: no deadlines, first come first served
                 ctx.deadline = ctx.target_deadline = ctx.ttft_deadline = None
-            body = await self._read_json(request)
-            prepared = self._prepare(kind, body, ctx, tier, mode)
+            body = await self.preparer.read_json(request)
+            prepared = self.preparer.prepare(kind, body, ctx, tier, mode)
             prepared.clock, prepared.trace = clock, trace
             clock.stage("parse")
             if self.args.ingress.log_prompts:  # opt-in only: prompts are user data
                 log.info("request %s tenant=%s %s: %s", ctx.request_id, ctx.tenant, kind, json.dumps(body)[:4000])
             response = await self._serve(prepared)
             return response
-        except APIError as err:
+        except (APIError, AdmissionError) as raised:
+            err = from_admission(raised) if isinstance(raised, AdmissionError) else raised
             shed = err.code if err.code in SHED_REASONS else None
             response = err.response()
             response.headers["server-timing"] = clock.server_timing()  # a 4xx/503 says where its time went too
@@ -337,375 +317,242 @@ class Pipeline:
 
     def models(self) -> dict[str, Any]:
         now = int(time.time())
-        ids = self.args.ingress.served_model_ids or list(self.max_model_len)
+        ids = self.args.ingress.served_model_ids or list(self.preparer.max_model_len)
         return {
             "object": "list",
             "data": [{"id": m, "object": "model", "created": now, "owned_by": "latency-serve"} for m in ids],
         }
 
-    # ------------------------------------------------------------------ 1. parse and validate
-
-    async def _read_json(self, request: Request) -> Any:
-        limit = self.args.ingress.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body over the {limit}-byte limit", code="body_too_large")
-        raw = bytearray()
-
-        async def read() -> None:
-            async for piece in request.stream():
-                raw.extend(piece)
-                if len(raw) > limit:
-                    raise APIError(413, f"request body over the {limit}-byte limit", code="body_too_large")
-
-        timeout = self.args.ingress.body_timeout_s
-        try:
-            await asyncio.wait_for(read(), timeout)  # a client that stalls mid-body holds nothing for long
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding")
-        try:
-            body = json.loads(text, parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as exc:
-            raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-        where = lone_surrogate_at(text, body)
-        if where is not None:
-            raise bad_request(f"{where}: a lone UTF-16 surrogate is not text", where, "invalid_encoding")
-        return body
-
-    def _prepare(
-        self, kind: Kind, body: Any, ctx: RequestContext, tier: TierConfig | None = None, mode: Mode | None = None
-    ) -> Prepared:
-        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        limits = self.args.ingress.limits
-        messages = body.get("messages") if isinstance(body, dict) else None
-        if isinstance(messages, list) and len(messages) > limits.max_messages:  # before validating them all
-            raise bad_request(
-                f"messages: {len(messages)} messages; this server takes at most {limits.max_messages} per request",
-                "messages", "too_many_messages",
-            )
-        req = _validate(schema, body)
-        chars = _check_sizes(req, limits)
-        unsupported = req.unsupported()
-        if unsupported:
-            raise bad_request(f"not supported by this server: {', '.join(unsupported)}", unsupported[0], "unsupported")
-        if req.model not in self.max_model_len:
-            raise APIError(
-                404,
-                f"model {req.model!r} does not exist; available: {', '.join(self.max_model_len)}",
-                param="model",
-                code="model_not_found",
-            )
-        if kind == "chat":
-            tokenize = lambda b: b.chat(req.messages)  # noqa: E731
-        else:
-            tokenize = lambda b: b.completion(req.prompt)  # noqa: E731
-        if kind == "chat":
-            turns = [{"role": m.role, "content": m.text()} for m in req.messages]
-            users = [t["content"] for t in turns if t["role"] == "user"]
-            last_user, user_turns = (users[-1] if users else ""), len(users)
-        else:
-            turns = [{"role": "prompt", "content": json.dumps(req.prompt)}]
-            last_user, user_turns = (req.prompt if isinstance(req.prompt, str) else ""), 1
-        sampling = SamplingParams(
-            max_tokens=0,  # the budget needs the prompt's length: _tokenize sets it
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            stop=tuple(req.stop),
-            seed=req.seed,
-        )
-        cache_key = scope = query = None
-        # Only greedy answers are reproducible, so only they are cached unless the client opts in.
-        cache = self.args.cache
-        if cache.enabled and (sampling.greedy or (cache.sampled_opt_in and ctx.cache_sampled)):
-            # The *requested* max_tokens: the same conversation always gets the same budget, and
-            # the key is known before tokenizing, so a repeat never pays for the tokenizer.
-            # Left to the server, the budget follows its configured default.
-            default = f"default:{self.args.ingress.sampling.default_max_tokens}"
-            budget = req.output_limit if req.output_limit is not None else default
-            sampling_key = {"max_tokens": budget, "stop": list(sampling.stop), "top_p": sampling.top_p}
-            if not sampling.greedy:
-                sampling_key.update(temperature=sampling.temperature, seed=sampling.seed)
-            model_key = f"{kind}:{req.model}"
-            cache_key = exact_key(tenant=ctx.tenant, model=model_key, messages=turns, sampling=sampling_key)
-            context, query = split_query(turns if kind == "chat" else [{"role": "prompt", "content": last_user}])
-            if query is not None and query.strip():
-                scope = scope_key(tenant=ctx.tenant, model=model_key, context=context, sampling=sampling_key)
-            else:
-                query = None
-        return Prepared(
-            kind=kind,
-            ctx=ctx,
-            request=req,
-            requested_model=req.model,
-            sampling=sampling,
-            stream=req.stream,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            features=RouteFeatures(req.model, 0, req.output_limit or 0, user_turns, last_user[-2000:]),
-            cache_key=cache_key,
-            scope=scope,
-            query=query,
-            tokenize=tokenize,
-            tier=tier or self.admission.tier(ctx),
-            mode=mode or self.args.admission.mode,
-            chars=chars,
-        )
-
-    def _tokenize(self, p: Prepared) -> None:
-        """Prompt ids and the output budget; 400 when the prompt is empty or can't fit."""
-        builder = self.prompts[p.requested_model]
-        p.prompt_ids = p.tokenize(builder)
-        if not p.prompt_ids:
-            raise bad_request("the prompt is empty", "messages" if p.kind == "chat" else "prompt")
-        budget = p.tier.max_input_tokens
-        if budget is not None and len(p.prompt_ids) > budget:
-            self._trim(p, builder, budget)
-        p.sampling.max_tokens = self._output_budget(p.request, len(p.prompt_ids))
-        cap = p.tier.max_output_tokens
-        if cap is not None and p.sampling.max_tokens > cap:
-            p.notes["x-max-tokens-clamped"] = f"{p.sampling.max_tokens}->{cap}; tier={p.ctx.tier}"
-            p.sampling.max_tokens = cap
-        p.features.prompt_tokens = len(p.prompt_ids)
-
-    def _trim(self, p: Prepared, builder: PromptBuilder, budget: int) -> None:
-        """Over the tier's input budget: drop the oldest turns (never the system prompt or the
-        last message) and say so; a prompt that can't be trimmed to fit is a 400."""
-        req = p.request
-        fitted = None
-        if isinstance(req, ChatCompletionRequest):
-            fitted = trim_conversation(
-                req.messages, lambda m: m.role, builder.message_tokens(req.messages), lambda ms: len(builder.chat(ms)),
-                budget, len(p.prompt_ids),
-            )
-        if fitted is None:
-            raise bad_request(
-                f"the {p.ctx.tier!r} tier allows {budget} input tokens and "
-                + ("the system prompt plus the last message alone are" if p.kind == "chat" else "the prompt is")
-                + f" over it ({len(p.prompt_ids)} tokens in all; the model's context window is "
-                f"{self.max_model_len[p.requested_model]})",
-                "messages" if p.kind == "chat" else "prompt",
-                "context_length_exceeded",
-            )
-        kept, dropped, tokens = fitted
-        p.tokenize = lambda b: b.chat(kept)  # noqa: E731  (a routed model re-tokenizes the trimmed turns)
-        before = len(p.prompt_ids)
-        p.prompt_ids = builder.chat(kept)
-        p.notes["x-context-trimmed"] = f"dropped_messages={dropped}; tokens={before}->{tokens}; tier={p.ctx.tier}"
-
-    def _output_budget(self, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> int:
-        window = self.max_model_len[req.model]
-        if prompt_tokens >= window:
-            raise bad_request(
-                f"this model's context window is {window} tokens and the prompt has {prompt_tokens}",
-                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                "context_length_exceeded",
-            )
-        asked = req.output_limit
-        if asked is None:
-            return min(self.args.ingress.sampling.default_max_tokens, window - prompt_tokens)
-        if prompt_tokens + asked > window:
-            raise bad_request(
-                f"this model's context window is {window} tokens; you asked for {prompt_tokens + asked} "
-                f"({prompt_tokens} in the prompt, {asked} in the completion)",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        return asked
-
     # ------------------------------------------------------------------ 2. admit, look up, generate
 
     async def _serve(self, p: Prepared) -> Response:
-        ctx = p.ctx
-        clock = p.clock
-        use_cache = p.cache_key is not None and not ctx.no_cache
-        if use_cache and self.near_cache is not None:
-            # A repeat this replica answered lately: no tokenizer, no admission slot, no hop.
-            near = self.near_cache.get(p.cache_key)
-            if near is not None:
-                self.admission.charge_tenant(ctx, near.prompt_tokens + near.completion_tokens)
-                clock.stage("lookup")
-                return self._cached(p, Lookup("hit", near, 1.0, "exact_near"))
-        permit: Permit | None = None
-        stream: ModelStream | None = None
-        lookup: asyncio.Future | None = None
-        routing: asyncio.Future | None = None
-        first_chunk: asyncio.Future | None = None
-        p.cache_state = "miss" if use_cache else "bypass"
-        hint: Lookup | None = None
+        """The spine: a repeat → the lookup leaves, tokenize, tenant limits → shed the hopeless
+        → look up ∥ route → admit and call the model → a hit beside it calls it off → the
+        first token → respond (whole, or streamed). Whatever raises on the way (an error, a
+        deadline, the client gone) lets go of everything in flight."""
+        repeat = self._repeat(p)
+        if repeat is not None:
+            return repeat
+        f = InFlight()
         try:
-            if use_cache:
-                lookup = asyncio.ensure_future(self._lookup(p))
-                await asyncio.sleep(0)  # let the exact-match hop leave, then tokenize while it flies
-            else:
-                p.lookup_done.set()
-            self.admission.precheck_tenant(ctx)  # a tenant over its rate costs no tokenizer pass
-            if p.chars > INLINE_TOKENIZE_CHARS:  # a long prompt: off the loop that answers everyone
-                await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._tokenize, p)
-            else:
-                self._tokenize(p)
-            clock.stage("tokenize")
-            self.admission.charge_tenant(ctx, len(p.prompt_ids) + p.sampling.max_tokens)
-            # Hopeless for every model that could answer: shed now, before waiting on the lookup
-            # or routing (the exact-match hop already in flight is cancelled), so a shed answer
-            # costs microseconds here even under load. Even a would-be cache hit is shed.
-            forced: RouteDecision | None = None
-            tickets: list[Ticket] = []
-            if p.mode == "predictive":
-                auto = p.requested_model == self.args.router.auto_model_id
-                large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
-                models = [large, small] if auto else [p.requested_model]
-                if auto and not p.tier.downgrade and fixed_route(self.args.router, p.features, large) is not None:
-                    models = [large]  # too big for the small model, and no downgrade: only large counts
-                tickets = [self.admission.ticket(m, ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
-                forced = self._only_small(p, self.admission.shed_early(tickets))
-            clock.stage("admit")
-            routing = asyncio.ensure_future(self._route(p)) if forced is None else None  # beside the lookup
-            if routing is not None and tickets:
-                forced = await self._await_verdict(p, routing, tickets)
-                if forced is not None:
-                    routing.cancel()
-                    routing = None
-            if lookup is not None and not self._overlap_lookup():
-                found, lookup = await lookup, None
-                clock.stage("lookup")
-                if found.outcome == "hit":  # hits take no admission slot: they are served even at capacity
-                    if routing is not None:
-                        routing.cancel()
-                    return self._cached(p, found)
-                hint = found if found.outcome == "hint" else None
-            decision = await routing if routing is not None else forced
-            assert decision is not None
-            clock.stage("route")
-            permit, decision = await self._admit(p, decision)
-            clock.stage("queue")
-            p.model, p.route = decision.model_id, decision.reason
-            self._count_route(decision)
-            builder = self.prompts[decision.model_id]
-            if builder is not self.prompts[p.requested_model]:
-                p.prompt_ids = p.tokenize(builder)  # the routed model speaks another vocabulary
-            generate = GenerateRequest(ctx.request_id, p.prompt_ids, p.sampling, ctx.target_unix())
-            generate.cache_salt = ctx.cache_salt
-            if hint is not None:
-                # A near miss: not safe to serve, but a good guess. The target verifies every
-                # token of it, so the answer is exactly what it would have produced anyway.
-                generate.draft_hint_ids = self._hint_ids(p, decision.model_id, builder, hint)
-            if p.trace is not None and p.trace.sampled:
-                generate.trace = p.trace.start_model_call(decision.model_id)
-            if lookup is not None:  # the model starts beside the lookup (overlap_cache_lookup)
-                generate.lookup_overlap_ms = round(self.lookup_embed_ms, 1)
-                generate.lookup_id = lookup_id(ctx.request_id)  # marked below once the lookup is handled
-            generate.sent_unix = time.time()
-            stream = self._start(decision.model_id, generate, p)
-            if not p.coalesced:  # a follower adds no load to the model
-                self.load.started(decision.model_id)
-                permit.also(lambda: self.load.finished(decision.model_id))
-            first_chunk = asyncio.ensure_future(self._next(stream, p))
-            if lookup is not None:  # the model is already on its way; a hit calls it off
-                found, lookup = await lookup, None
-                clock.stage("lookup")
-                if found.outcome == "hit":
-                    first_chunk.cancel()
-                    stream.cancel()
-                    stream = None
-                    permit.release()
-                    return self._cached(p, found)
-                if found.outcome == "hint" and not p.coalesced:
-                    # The near miss still rides along: the replica hands it to the request's
-                    # drafters, which are idle until its prefill (well under way) is done.
-                    hint_ids = self._hint_ids(p, decision.model_id, builder, found)
-                    if hint_ids:
-                        self.backends.late_hint(decision.model_id, ctx.request_id, hint_ids)
-                # The lookup's work is over, ours and the cache replica's: a prefill on this node
-                # takes its second core back (engines/lookup_signal.py).
-                self.board.mark(generate.lookup_id)
-            try:
-                first = await first_chunk
-            except ReplicaFailed as err:
-                stream = None
-                stream, first = await self._retry(p, decision.model_id, generate, permit, err)
-            if first.finish_reason == "abort" and p.coalesced and p.ctx.remaining_s(self.args.ingress.request_timeout_s) > 0:
-                # The engine gave up on the leader at its deadline; this follower's is later.
-                stream.cancel()
-                stream = None
-                stream, first = await self._alone(p, decision.model_id, generate, permit)
-            first_at = time.perf_counter()
-            # From the model call to its first chunk: the replica's queue and prefill as it
-            # measured them, the rest is the hop there and back.
-            p.engine_queue_ms = first.timings_ms.get("engine_queue", 0.0)
-            p.prefill_ms = first.timings_ms.get("prefill")
-            clock.stage_parts([("engine_queue", p.engine_queue_ms), ("prefill", p.prefill_ms or 0.0)], "hop", first_at)
-            # The replica's details, each inside its stage: what its worker ran while this prompt
-            # waited (engine_queue.*), the way there (hop.in), the core left to the lookup
-            # (prefill.one_core).
-            for stage in ("engine_queue", "hop", "prefill"):
-                clock.details_in_stage(stage, [(k, ms) for k, ms in first.timings_ms.items() if k.startswith(stage + ".")])
-            for key in ENGINE_QUEUE_COUNTS:  # how many jobs that was, and the longest one
+            await self._start(p, f)
+            forced, tickets = self._shed_hopeless(p)
+            decision, found = await self._lookup_and_route(p, f, forced, tickets)
+            if decision is None:
+                return self._cached(p, found)  # hits take no admission slot: served even at capacity
+            await self._admit_and_call(p, f, decision, found)
+            found = await self._lookup_beside(p, f)
+            if found is not None and found.outcome == "hit":
+                return self._cached(p, found)
+            first = await self._first_token(p, f)
+            return await self._respond(p, f, first)
+        except BaseException:
+            f.abandon()
+            raise
+
+    def _repeat(self, p: Prepared) -> Response | None:
+        """A repeat this replica answered lately: no tokenizer, no admission slot, no hop."""
+        if p.cache_key is None or p.ctx.no_cache or self.near_cache is None:
+            return None
+        near = self.near_cache.get(p.cache_key)
+        if near is None:
+            return None
+        self.admission.charge_tenant(p.ctx, near.prompt_tokens + near.completion_tokens)
+        p.clock.stage("lookup")
+        return self._cached(p, Lookup("hit", near, 1.0, "exact_near"))
+
+    async def _start(self, p: Prepared, f: InFlight) -> None:
+        """The cache lookup leaves first; the prompt is tokenized while it flies, and charged to
+        the tenant's rate (a tenant already over it costs no tokenizer pass)."""
+        use_cache = p.cache_key is not None and not p.ctx.no_cache
+        p.cache_state = "miss" if use_cache else "bypass"
+        if use_cache:
+            f.lookup = asyncio.ensure_future(self._lookup(p))
+            await asyncio.sleep(0)  # let the exact-match hop leave, then tokenize while it flies
+        else:
+            p.lookup_done.set()
+        self.admission.precheck_tenant(p.ctx)
+        if p.chars > INLINE_TOKENIZE_CHARS:  # a long prompt: off the loop that answers everyone
+            await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self.preparer.tokenize, p)
+        else:
+            self.preparer.tokenize(p)
+        p.clock.stage("tokenize")
+        self.admission.charge_tenant(p.ctx, len(p.prompt_ids) + p.sampling.max_tokens)
+
+    def _shed_hopeless(self, p: Prepared) -> tuple[RouteDecision | None, list[Ticket]]:
+        """Hopeless for every model that could answer: shed now, before waiting on the lookup
+        or routing (the hop in flight is cancelled), so a shed costs microseconds even under
+        load; even a would-be cache hit is shed. Returns a decision admission already forces
+        (only the small model can take it), and the candidates' tickets."""
+        forced: RouteDecision | None = None
+        tickets: list[Ticket] = []
+        if p.mode == "predictive":
+            auto = p.requested_model == self.args.router.auto_model_id
+            large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
+            models = [large, small] if auto else [p.requested_model]
+            if auto and not p.tier.downgrade and fixed_route(self.args.router, p.features, large) is not None:
+                models = [large]  # too big for the small model, and no downgrade: only large counts
+            tickets = [self.admission.ticket(m, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
+            forced = self._only_small(p, self.admission.shed_early(tickets))
+        p.clock.stage("admit")
+        return forced, tickets
+
+    async def _lookup_and_route(
+        self, p: Prepared, f: InFlight, forced: RouteDecision | None, tickets: list[Ticket]
+    ) -> tuple[RouteDecision | None, Lookup | None]:
+        """Routing beside the lookup. The lookup's answer is awaited here unless the model
+        starts beside it (`_overlap_lookup`); then it comes back in `_lookup_beside`. A hit
+        here needs no decision (None)."""
+        f.routing = asyncio.ensure_future(self._route(p)) if forced is None else None
+        if f.routing is not None and tickets:
+            forced = await self._await_verdict(p, f.routing, tickets)
+            if forced is not None:
+                f.routing.cancel()
+                f.routing = None
+        found = None
+        if f.lookup is not None and not self._overlap_lookup():
+            found, f.lookup = await f.lookup, None
+            p.clock.stage("lookup")
+            if found.outcome == "hit":
+                if f.routing is not None:
+                    f.routing.cancel()
+                    f.routing = None
+                return None, found
+        decision = await f.routing if f.routing is not None else forced
+        f.routing = None
+        assert decision is not None
+        p.clock.stage("route")
+        return decision, found
+
+    async def _admit_and_call(self, p: Prepared, f: InFlight, decision: RouteDecision, found: Lookup | None) -> None:
+        """Admission (start, queue, move or shed), then the model call: a near miss rides along
+        as a draft; an identical request in flight is followed rather than repeated."""
+        f.permit, decision = await self._admit(p, decision)
+        p.clock.stage("queue")
+        p.model, p.route = decision.model_id, decision.reason
+        f.decision = decision
+        self._count_route(decision)
+        f.builder = builder = self.prompts[decision.model_id]
+        if builder is not self.prompts[p.requested_model]:
+            p.prompt_ids = p.tokenize(builder)  # the routed model speaks another vocabulary
+        generate = GenerateRequest(p.ctx.request_id, p.prompt_ids, p.sampling, p.ctx.target_unix())
+        generate.cache_salt = p.ctx.cache_salt
+        if found is not None and found.outcome == "hint":
+            # A near miss: not safe to serve, but a good guess. The target verifies every
+            # token of it, so the answer is exactly what it would have produced anyway.
+            generate.draft_hint_ids = self._hint_ids(p, decision.model_id, builder, found)
+        if p.trace is not None and p.trace.sampled:
+            generate.trace = p.trace.start_model_call(decision.model_id)
+        if f.lookup is not None:  # the model starts beside the lookup (overlap_cache_lookup)
+            generate.lookup_overlap = self.lookup_window.open(p.ctx.request_id)
+        generate.sent_unix = time.time()
+        f.generate = generate
+        f.stream = self._call(decision.model_id, generate, p)
+        if not p.coalesced:  # a follower adds no load to the model
+            self.load.started(decision.model_id)
+            f.permit.also(lambda: self.load.finished(decision.model_id))
+        f.first_chunk = asyncio.ensure_future(self._next(f.stream, p))
+
+    async def _lookup_beside(self, p: Prepared, f: InFlight) -> Lookup | None:
+        """The lookup's answer, where the model started beside it: a hit calls the model off;
+        a near miss follows the request to its replica as a late draft."""
+        if f.lookup is None:
+            return None
+        found, f.lookup = await f.lookup, None
+        p.clock.stage("lookup")
+        if found.outcome == "hit":
+            f.call_off()
+            return found
+        if found.outcome == "hint" and not p.coalesced:
+            # The replica hands it to the request's drafters, idle until its prefill is done.
+            hint_ids = self._hint_ids(p, f.decision.model_id, f.builder, found)
+            if hint_ids:
+                self.backends.late_hint(f.decision.model_id, p.ctx.request_id, hint_ids)
+        self.lookup_window.close(f.generate.lookup_overlap)  # the lookup's work is over
+        return None
+
+    async def _first_token(self, p: Prepared, f: InFlight) -> GenerateChunk:
+        """The model's first chunk (a dead replica retried once), and where its time went."""
+        model_id = f.decision.model_id
+        try:
+            first = await f.first_chunk
+        except ReplicaFailed as err:
+            f.stream = None
+            f.stream, first = await self._retry(p, model_id, f.generate, f.permit, err)
+        if first.finish_reason == "abort" and p.coalesced and p.ctx.remaining_s(self.args.ingress.request_timeout_s) > 0:
+            # The engine gave up on the leader at its deadline; this follower's is later.
+            f.stream.cancel()
+            f.stream = None
+            f.stream, first = await self._alone(p, model_id, f.generate, f.permit)
+        f.first_at = first_at = time.perf_counter()
+        self._time_first_chunk(p, first, first_at)
+        ttft_ms = (first_at - p.clock.start) * 1000
+        if p.ticket is not None:
+            self.gate.first_token(p.ticket)
+        if not p.coalesced:
+            self.load.observe_ttft(model_id, ttft_ms)
+        if first.finish_reason == "abort":
+            raise APIError(503, "the request's deadline passed before the model could start", code="deadline_exceeded")
+        if self.metrics is not None:
+            self.metrics.first_token(model_id, p.ctx.tier, ttft_ms / 1000)
+        return first
+
+    def _time_first_chunk(self, p: Prepared, first: GenerateChunk, first_at: float) -> None:
+        """From the model call to its first chunk: the replica's queue and prefill as it
+        measured them, the rest is the hop there and back; the replica's details inside each
+        (engine_queue.*, hop.in, prefill.*); its inner counts for admins only."""
+        clock = p.clock
+        p.engine_queue_ms = first.timings_ms.get("engine_queue", 0.0)
+        p.prefill_ms = first.timings_ms.get("prefill")
+        clock.stage_parts([("engine_queue", p.engine_queue_ms), ("prefill", p.prefill_ms or 0.0)], "hop", first_at)
+        for stage in ("engine_queue", "hop", "prefill"):
+            clock.details_in_stage(stage, [(k, ms) for k, ms in first.timings_ms.items() if k.startswith(stage + ".")])
+        if p.ctx.admin or self.args.ingress.debug_timings:  # they tell one tenant about others' traffic
+            for key in (*ENGINE_QUEUE_COUNTS, "prefix_reused_tokens"):
                 if key in first.timings_ms:
                     clock.counts[key] = first.timings_ms[key]
-            if "prefix_reused_tokens" in first.timings_ms:
-                clock.counts["prefix_reused_tokens"] = first.timings_ms["prefix_reused_tokens"]
-            if not (ctx.admin or self.args.ingress.debug_timings):
-                clock.counts.clear()  # the engine's inner counts are the operator's, not every caller's
-            ttft_ms = (first_at - clock.start) * 1000
-            if p.ticket is not None:
-                self.gate.first_token(p.ticket)
-            if not p.coalesced:
-                self.load.observe_ttft(decision.model_id, ttft_ms)
-            if first.finish_reason == "abort":
-                raise APIError(503, "the request's deadline passed before the model could start", code="deadline_exceeded")
-            if self.metrics is not None:
-                self.metrics.first_token(decision.model_id, ctx.tier, ttft_ms / 1000)
-            headers = self._headers(p, decision, p.cache_state)
-            if first.replica:
-                headers["x-model-replica"] = first.replica
-            if p.coalesced:
-                headers["x-coalesced"] = "true"
-            if not p.stream:
-                try:
-                    text, last = await self._collect(first, stream, p)
-                except ReplicaFailed as err:  # nothing was sent yet: the whole answer can be redone
-                    stream = None
-                    stream, first = await self._retry(p, decision.model_id, generate, permit, err)
-                    text, last = await self._collect(first, stream, p)
-                if p.retried:
-                    headers["x-retried"] = "1"
-                stream = None  # finished: nothing left to cancel
-                clock.stage("decode")
-                self._finished(p, last, first_at)
-                self._completed(p, last, 200)
-                permit.release()
-                self._store(p, decision, text, last)
-                clock.stage("respond")
-                headers["server-timing"] = clock.server_timing()
-                body = full_response(
-                    p.kind, _response_id(p), decision.model_id, text, last.finish_reason or "stop",
-                    last.prompt_tokens, last.completion_tokens,
-                )
-                return JSONResponse(body, headers=headers)
+
+    async def _respond(self, p: Prepared, f: InFlight, first: GenerateChunk) -> Response:
+        """The whole answer as JSON, or a stream whose SSE body owns the model call from here."""
+        decision, clock = f.decision, p.clock
+        headers = self._headers(p, decision, p.cache_state)
+        if first.replica:
+            headers["x-model-replica"] = first.replica
+        if p.coalesced:
+            headers["x-coalesced"] = "true"
+        if not p.stream:
+            try:
+                text, last = await self._collect(first, f.stream, p)
+            except ReplicaFailed as err:  # nothing was sent yet: the whole answer can be redone
+                f.stream = None
+                f.stream, first = await self._retry(p, decision.model_id, f.generate, f.permit, err)
+                text, last = await self._collect(first, f.stream, p)
             if p.retried:
                 headers["x-retried"] = "1"
+            f.stream = None  # finished: nothing left to cancel
+            clock.stage("decode")
+            self._finished(p, last, f.first_at)
+            self._completed(p, last, 200)
+            f.permit.release()
+            self._store(p, decision, text, last)
             clock.stage("respond")
-            headers["server-timing"] = clock.server_timing()  # a stream's headers leave with its first token
-            if p.trace is not None:
-                p.trace.stream_from = first_at
-            p.streaming = True
-            body_iter = self._sse(p, decision, first, stream, permit, first_at)
-            stream = None  # from here on the SSE body owns the stream and the permit
-            head = await body_iter.__anext__()  # started: its `finally` now runs even if nobody reads on
-            return StreamingResponse(_prepend(head, body_iter), media_type="text/event-stream", headers=headers)
-        except BaseException:
-            # Error, timeout or client gone (CancelledError): free the slot, stop the model.
-            if permit is not None:
-                permit.release()
-            for pending in (lookup, routing, first_chunk):
-                if pending is not None and not pending.done():
-                    pending.cancel()
-            if stream is not None:
-                stream.cancel()
-            raise
+            headers["server-timing"] = clock.server_timing()
+            body = full_response(
+                p.kind, _response_id(p), decision.model_id, text, last.finish_reason or "stop",
+                last.prompt_tokens, last.completion_tokens,
+            )
+            return JSONResponse(body, headers=headers)
+        if p.retried:
+            headers["x-retried"] = "1"
+        clock.stage("respond")
+        headers["server-timing"] = clock.server_timing()  # a stream's headers leave with its first token
+        if p.trace is not None:
+            p.trace.stream_from = f.first_at
+        p.streaming = True
+        body_iter = self._sse(p, decision, first, f.stream, f.permit, f.first_at)
+        f.stream = f.permit = None  # from here on the SSE body owns the stream and the permit
+        head = await body_iter.__anext__()  # started: its `finally` now runs even if nobody reads on
+        return StreamingResponse(_prepend(head, body_iter), media_type="text/event-stream", headers=headers)
 
     def _only_small(self, p: Prepared, feasible: list[bool]) -> RouteDecision | None:
         """Only the small model of an auto request's two can take it: with downgrade allowed,
@@ -829,7 +676,7 @@ class Pipeline:
             stream.cancel()
             raise
 
-    def _start(self, model_id: str, request: GenerateRequest, p: Prepared) -> ModelStream:
+    def _call(self, model_id: str, request: GenerateRequest, p: Prepared) -> ModelStream:
         """Start generating, or join an identical generation already in flight."""
         # no-cache asks for a fresh answer: it neither reads the cache nor joins a flight.
         if (
@@ -852,9 +699,7 @@ class Pipeline:
             found = await asyncio.wait_for(self.backends.cache_lookup(p.cache_key, scope, p.query), self._stage_timeout(p))
             if found.vector is not None:
                 p.vector = found.vector
-            if "embed" in found.timings_ms:
-                busy_ms = found.timings_ms["embed"] + found.timings_ms.get("cache_semantic", 0.0) + OVERLAP_MARGIN_MS
-                self.lookup_embed_ms += 0.2 * (busy_ms - self.lookup_embed_ms)
+            self.lookup_window.learn(found.timings_ms)
             p.clock.details_within(t, time.perf_counter(), [(f"lookup.{k}", ms) for k, ms in found.timings_ms.items()])
             if found.outcome == "hit" and found.response is not None:
                 self._remember(p, found.response)  # the next identical request skips the hop
@@ -1078,54 +923,20 @@ class Pipeline:
         }
 
 
-def _validate(schema: type[BaseModel], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object", code="invalid_json")
-    try:
-        return schema.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or None
-        raise bad_request(f"{where}: {first['msg']}" if where else first["msg"], where) from None
-
-
 # Ray's "the actor is gone" errors, by name so this module needs no Ray: RayActorError and its
-# ActorDiedError, and ActorUnavailableError (unreachable, being replaced); and ChannelError, a
-# same-node replica's side channel hung up (deployments/channel.py).
-_REPLICA_GONE = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "ChannelError"}
+# ActorDiedError, and ActorUnavailableError (unreachable, being replaced). Another way to a
+# replica says so with a true `replica_gone` class attribute.
+_REPLICA_GONE = {"RayActorError", "ActorDiedError", "ActorUnavailableError"}
 
 
 def _replica_gone(exc: BaseException) -> bool:
-    return any(cls.__name__ in _REPLICA_GONE for cls in type(exc).__mro__)
-
-
-def _check_sizes(req: ChatCompletionRequest | CompletionRequest, limits: InputLimits) -> int:
-    """400s for what validation alone lets through: a prompt too long to tokenize cheaply, a
-    stop sequence whose hold-back would cost a decode of its length on every token."""
-    if isinstance(req, ChatCompletionRequest):
-        chars, param = sum(len(m.text()) for m in req.messages), "messages"
-    elif isinstance(req.prompt, str):
-        chars, param = len(req.prompt), "prompt"
-    else:
-        chars, param = sum(len(p) if isinstance(p, (str, list)) else 1 for p in req.prompt), "prompt"
-    if chars > limits.max_prompt_chars:
-        raise bad_request(
-            f"{param}: {chars} characters; this server takes at most {limits.max_prompt_chars} per request",
-            param, "prompt_too_long",
-        )
-    if any(len(s) > limits.max_stop_chars for s in req.stop):
-        raise bad_request(f"stop: each stop sequence may have at most {limits.max_stop_chars} characters", "stop")
-    return chars
+    return getattr(type(exc), "replica_gone", False) or any(cls.__name__ in _REPLICA_GONE for cls in type(exc).__mro__)
 
 
 def _reshaped(p: Prepared) -> bool:
     """The tier clamped max_tokens or trimmed the conversation: the answer is not the one the
     request's cache key names, so it is neither cached nor shared with identical requests."""
     return "x-max-tokens-clamped" in p.notes or "x-context-trimmed" in p.notes
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def _response_id(p: Prepared) -> str:

@@ -103,3 +103,21 @@ class StageClock:
     def wall_ns(self, t: float) -> int:
         """A perf_counter() instant as wall-clock ns (for span start/end times)."""
         return self.wall_start + int((t - self.start) * 1e9)
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """`Server-Timing: name;dur=1.2, other;dur=3.4` -> {"name": 1.2, "other": 3.4}."""
+    out = {}
+    for part in header.split(","):
+        if ";dur=" in part:
+            name, dur = part.strip().split(";dur=", 1)
+            out[name] = float(dur)
+    return out
+
+
+def server_timing_count(header: str, name: str) -> float:
+    """A count carried as `name;desc=N` (not a duration, so `server_timing` leaves it out); 0 if absent."""
+    for part in header.split(","):
+        if part.strip().startswith(f"{name};desc="):
+            return float(part.strip().split(";desc=", 1)[1])
+    return 0.0

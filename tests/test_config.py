@@ -63,13 +63,16 @@ def test_yaml_overrides_defaults():
         (("router", "classifier", "weights"), "/nonexistent/difficulty.json"),
         (("router", "classifier", "threshold"), 0.95),  # above max_threshold
         (("router", "load_aware", "gain"), 2),
+        (("ingress", "limits", "max_messages"), 0),
+        (("host_tuning", "model_nice"), 25),
+        (("target", "engine", "share_cores"), True),  # host tuning's knobs live under host_tuning
     ],
 )
 def test_bad_values_are_rejected(path, value):
     raw = copy.deepcopy(_raw_args())
     node = raw
     for key in path[:-1]:
-        node = node[key]
+        node = node.setdefault(key, {})  # a section the YAML leaves to the schema's defaults
     node[path[-1]] = value
     with pytest.raises(ValidationError):
         AppArgs.model_validate(raw)
@@ -152,3 +155,22 @@ def test_the_model_request_router_is_importable_and_its_kwargs_fit():
     assert router["request_router_kwargs"]["block_size"] == sf.args.target.engine.prefix_cache.block_size, (
         "the router's blocks must be the prefix cache's blocks"
     )
+
+
+def test_every_profile_is_written_from_the_base_and_binds_its_graph():
+    """configs/gpu.yaml and configs/cpu-vllm.yaml are serve_config.yaml plus their differences
+    (configs/profiles.py): a profile edited by hand, or a base changed without rewriting them,
+    fails here. Each validates with Serve's schema and ours, and binds the app graph."""
+    from configs.profiles import PROFILES, render
+    from configs.serve_config import REPO_ROOT
+    from deployments.app import build_graph
+
+    for profile in PROFILES:
+        written = (REPO_ROOT / profile.path).read_text()
+        assert written == render(profile), f"{profile.path} is out of date: run `python -m configs.profiles`"
+    for path in [DEFAULT_SERVE_CONFIG, *(REPO_ROOT / p.path for p in PROFILES)]:
+        serve_file = load_serve_config(path)
+        app = build_graph(serve_file.args, serve_file.deployment_options)
+        assert app is not None
+    gpu = load_serve_config(REPO_ROOT / "configs/gpu.yaml").args
+    assert gpu.auth.required and not gpu.host_tuning.enabled  # a cluster asks for keys and runs no host tuning

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from bench.chaos import kill_replica, replicas, wait_replaced
+from deployments.local import kill_replica, replicas, wait_replaced
 
 TARGET = "smollm2-135m-instruct"
 # Batch tier (120 s): a long stream and a request beside it are queued or run, not shed.

@@ -1,4 +1,4 @@
-"""Issue 7 end to end: Server-Timing adds up, every metric reaches Prometheus, one trace per
+"""Observability end to end: Server-Timing adds up, every metric reaches Prometheus, one trace per
 request across the ingress and the model replica (real OTLP export, real Ray metrics agent)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from bench.stats import server_timing
+from telemetry.clock import server_timing
 from telemetry.metrics import exported_names
 from tests.conftest import ONE_SHOT_KEY
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from bench.stats import server_timing, server_timing_count
+from telemetry.clock import server_timing, server_timing_count
 from tests.test_serving import NO_CACHE, TARGET
 
 OPENERS = [
@@ -23,7 +23,7 @@ FOLLOW_UPS = ["What should I think about first?", "Give me one more tip."]
 def two_replicas(service):
     from ray import serve
 
-    from bench.service import quiet_logging
+    from deployments.local import quiet_logging
     from deployments.app import build_graph
 
     args = service.config.args.model_copy(deep=True)

@@ -20,7 +20,7 @@ PROMPTS = [
 def remote_app(service):
     from ray import serve
 
-    from bench.service import free_port, quiet_logging
+    from deployments.local import free_port, quiet_logging
     from deployments.app import build_graph
 
     args = service.config.args.model_copy(deep=True)
@@ -115,7 +115,7 @@ def test_a_near_miss_follows_a_request_that_started_before_the_lookup_returned(r
     assert stages.index("queue") < stages.index("lookup"), "the model was to start before the lookup returned"
     after = stats()
     assert after["hint_tokens_accepted"] > before["hint_tokens_accepted"], after
-    # Its prefill left a core to the lookup's embedding (GenerateRequest.lookup_overlap_ms).
+    # Its prefill left a core to the lookup's embedding (host tuning's lookup window).
     assert after["prefills_beside_lookup"] > before["prefills_beside_lookup"], after
     assert "prefill.one_core" in stages, "how long it left the core is in Server-Timing"
     assert "hop.in" in stages, "the way to the replica is timed"

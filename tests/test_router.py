@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from admission.errors import AdmissionError
 from configs.schemas import ClassifierConfig, LoadAwareConfig, RouterConfig
 from router.base import RouteFeatures
 from router.classifier import DifficultyClassifier
@@ -135,8 +136,8 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
 
     async def both(question: str, headers: dict) -> tuple:
         body = {"model": "auto", "messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0}
-        p = pipeline._prepare("chat", body, context_from_headers(headers))
-        pipeline._tokenize(p)
+        p = pipeline.preparer.prepare("chat", body, context_from_headers(headers))
+        pipeline.preparer.tokenize(p)
         if p.cache_key is None or p.ctx.no_cache:
             p.lookup_done.set()
             return None, await pipeline._route(p), p
@@ -161,7 +162,6 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
 
     from admission.gate import Ticket
     from ingress.context import context_from_headers
-    from ingress.errors import APIError
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
     from semantic_cache.cache import Lookup
@@ -181,19 +181,19 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     busy.finish_at = time.monotonic() + 600  # the large model won't free up in time
     pipeline.gate.running.add(busy)
 
-    async def serve() -> tuple[APIError, float]:
+    async def serve() -> tuple[AdmissionError, float]:
         ctx = context_from_headers({"x-slo-tier": "batch", "x-request-deadline-ms": "4000"})
         tier = pipeline.admission.tier(ctx)
         body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
                 "max_tokens": 100, "temperature": 0}  # within the small model's limits: the classifier decides
-        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
+        p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
         start = time.perf_counter()
-        with pytest.raises(APIError) as shed:
+        with pytest.raises(AdmissionError) as shed:
             await pipeline._serve(p)
         return shed.value, time.perf_counter() - start
 
     err, took = asyncio.run(serve())
-    assert err.status == 503 and err.code == "deadline_unmeetable", err.message
+    assert err.kind == "shed" and err.code == "deadline_unmeetable", err.message
     assert "did not decide within 30 ms" in err.message
     assert 0.03 <= took < 0.5, took  # not the embedding's 1 s
     assert pipeline.gate.rejected == {"deadline_unmeetable": 1}
@@ -205,8 +205,8 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         tier = pipeline.admission.tier(ctx)
         body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
                 "max_tokens": max_tokens, "temperature": 0}
-        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
-        pipeline._tokenize(p)
+        p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
+        pipeline.preparer.tokenize(p)
         p.lookup_done.set()  # the lookup is not under test: a router goes straight to its embedding
         tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), max_tokens) for m in (large, small)]
         routing = make_routing(p)
@@ -290,8 +290,8 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
         tier = pipeline.admission.tier(ctx)
         body = {"model": model, "messages": [{"role": "user", "content": "Summarize this. " + "The sea is blue. " * 20}],
                 "max_tokens": 16, "temperature": 0}
-        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
-        pipeline._tokenize(p)
+        p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
+        pipeline.preparer.tokenize(p)
         assert len(p.prompt_ids) > 60
         ticket = pipeline.admission.ticket(large, ctx, tier, len(p.prompt_ids), 16)
         late = not pipeline.gate.in_time(ticket) and pipeline.gate.would_meet(ticket)
@@ -324,31 +324,29 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
         tier = pipeline.admission.tier(ctx)
         body = {"model": model, "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
                 "max_tokens": 16, "temperature": 0}
-        p = pipeline._prepare("chat", body, ctx, tier, "predictive")
-        pipeline._tokenize(p)
+        p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
+        pipeline.preparer.tokenize(p)
         permit, decision = await pipeline._admit(p, RouteDecision(small, "classifier_easy"))
         permit.release()
         return decision.model_id, decision.reason, p.notes.get("x-admission", "")
 
     model, reason, note = asyncio.run(admit("auto"))
     assert (model, reason) == (large, "deadline_upgrade") and note.startswith("upgraded")
-    from ingress.errors import APIError
-
-    with pytest.raises(APIError) as shed:  # a named small model is never moved: 503
+    with pytest.raises(AdmissionError) as shed:  # a named small model is never moved: a shed (503)
         asyncio.run(admit(small))
-    assert shed.value.status == 503
+    assert shed.value.kind == "shed"
 
     # The large model would take it, its first token predicted in time but with less than the
     # 1.5x to spare a move needs (~750 ms of a 1 s target): a 503, not an upgrade to a late answer.
     ctx = context_from_headers({})
-    p = pipeline._prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
+    p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
                                    "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx), "predictive")
-    pipeline._tokenize(p)
+    pipeline.preparer.tokenize(p)
     per_token = 750.0 / pipeline.gate.safety / len(p.prompt_ids)
     for level in (1, 2):
         pipeline.admission.estimates[large].prefill_ms_per_token.add(level, per_token)
     ticket = pipeline.admission.ticket(large, ctx, pipeline.admission.tier(ctx), len(p.prompt_ids), 16)
     assert pipeline.gate.would_meet(ticket) and not pipeline.gate.in_time(ticket, 1.5)
-    with pytest.raises(APIError) as shed:
+    with pytest.raises(AdmissionError) as shed:
         asyncio.run(admit("auto"))
-    assert shed.value.status == 503
+    assert shed.value.kind == "shed"

@@ -22,7 +22,7 @@ def _llama_config(serve_file) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def spec_service(serve_file):
-    from engines.service import ModelService
+    from target.service import ModelService
 
     stage = ModelStageConfig(
         engine=serve_file.args.target.engine,

@@ -8,7 +8,7 @@ import re
 import time
 from pathlib import Path
 
-from bench.stats import server_timing
+from telemetry.clock import server_timing
 from telemetry.clock import StageClock
 from telemetry.metrics import CONTROLLER_METRICS, ENGINE_METRICS, REQUEST_METRICS, exported_names
 from telemetry.spans import (
@@ -199,7 +199,7 @@ def test_spans_encode_to_otlp_that_the_official_protobuf_reads_back():
 
 
 def test_the_otlp_exporter_posts_through_the_official_client_and_a_full_queue_drops():
-    from bench.otlp_sink import OTLPSink
+    from telemetry.otlp_sink import OTLPSink
 
     sink = OTLPSink()
     try:

@@ -27,7 +27,7 @@ from semantic_cache.keys import exact_key
 def engine(serve_file):
     from engines.transformers_engine import TransformersEngine
 
-    return TransformersEngine(serve_file.args.target.engine)
+    return TransformersEngine(serve_file.args.target.engine, serve_file.args.host_tuning.cores_shared)  # as shipped
 
 
 # --------------------------------------------------------------------------- engine
@@ -99,7 +99,7 @@ def test_batched_decode_matches_one_sequence_at_a_time(engine):
 
 
 def test_concurrent_requests_share_forward_passes(serve_file):
-    from engines.service import ModelService
+    from target.service import ModelService
 
     stage = serve_file.args.target.model_copy(deep=True)
     stage.speculative.method = "none"
@@ -131,13 +131,13 @@ def test_concurrent_requests_share_forward_passes(serve_file):
 
 
 def test_a_forward_pass_runs_on_one_thread_while_another_process_keeps_a_core_busy(engine):
-    """Two torch threads beside a busy process stall at every barrier (engines/cores.py); the
+    """Two torch threads beside a busy process stall at every barrier (host_tuning/cores.py); the
     engine drops to one thread while another process keeps a core busy, and takes both back
     once the box is idle again. The load is measured off the request path."""
     import subprocess
     import sys
 
-    from engines.cores import BUSY_CORES
+    from host_tuning.cores import BUSY_CORES
 
     assert engine.cores.enabled and engine.cores.max_threads == 2, "the shipped target shares its cores"
     load = engine.cores.load
@@ -179,13 +179,13 @@ def test_a_forward_pass_runs_on_one_thread_while_another_process_keeps_a_core_bu
     assert one_pass() == 2
 
 def test_a_prefill_beside_the_cache_lookup_leaves_a_core_free_until_the_moment_then_takes_both(serve_file):
-    """GenerateRequest.lookup_overlap_ms: the prefill runs on one thread while the ingress's
+    """Host tuning's lookup window: the prefill runs on one thread while the ingress's
     lookup embeds beside it, and goes back to both at the first decoder layer after the
     moment; the logits are the same as a plain pass's."""
     from engines.transformers_engine import TransformersEngine
 
-    config = serve_file.args.target.engine.model_copy(update={"share_cores": False})  # the box's load can't interfere
-    engine = TransformersEngine(config)
+    config = serve_file.args.target.engine
+    engine = TransformersEngine(config)  # without core sharing: the box's load can't interfere
     assert config.num_threads == 2
     seen: list[int] = []
     layers = engine.model.get_decoder().layers
@@ -237,7 +237,7 @@ def test_the_lookup_board_tells_another_process_which_lookups_are_over(tmp_path)
     import subprocess
     import sys
 
-    from engines.lookup_signal import SLOTS, LookupBoard, lookup_id
+    from host_tuning.lookup_window import SLOTS, LookupBoard, lookup_id
 
     path = str(tmp_path / "board")
     mine, other = lookup_id("chatcmpl-1"), lookup_id("chatcmpl-2")
@@ -246,7 +246,7 @@ def test_the_lookup_board_tells_another_process_which_lookups_are_over(tmp_path)
     over, other_over = watcher.watch(mine), watcher.watch(other)
     assert watcher.ok and not over() and not other_over()
     subprocess.run(
-        [sys.executable, "-c", f"from engines.lookup_signal import LookupBoard; LookupBoard({path!r}).mark({mine!r})"],
+        [sys.executable, "-c", f"from host_tuning.lookup_window import LookupBoard; LookupBoard({path!r}).mark({mine!r})"],
         check=True, timeout=60,
     )
     assert over() and not other_over()
@@ -263,7 +263,7 @@ def test_a_cancelled_request_stops_its_prefill_midway_and_the_next_one_is_untouc
     """A model call cancelled during its prefill (a cache hit beside it, a client gone) stops at
     the next decoder layer instead of holding the worker for the rest of the prompt; the
     engine's next pass runs whole and gives the same answer as before."""
-    from engines.service import ModelService
+    from target.service import ModelService
 
     stage = serve_file.args.target.model_copy(deep=True)
     stage.speculative.method = "none"
@@ -382,7 +382,7 @@ def test_a_new_prompt_goes_ahead_of_queued_llamacpp_steps(serve_file):
     prompt that arrives while a step is queued behind the one in progress runs before it: under
     load it otherwise waited for a whole round of them (bench load: 0.5-0.8 s in `engine_queue`
     at 4x capacity). The deferred step still runs, and the long answer is complete."""
-    from engines.service import ModelService
+    from target.service import ModelService
 
     stage = serve_file.args.draft.model_copy(deep=True)
     stage.engine.warmup = False
@@ -398,7 +398,7 @@ def test_a_new_prompt_goes_ahead_of_a_queued_batched_decode_pass(serve_file):
     in progress runs before that pass (once), so it waits for one job, not two (bench load, 4x:
     944 ms of decode steps ahead of a prompt that missed its 1 s TTFT). The deferred pass still
     runs and the answer goes on."""
-    from engines.service import ModelService
+    from target.service import ModelService
 
     stage = serve_file.args.target.model_copy(deep=True)
     stage.speculative.method = "none"
@@ -643,7 +643,8 @@ def test_idle_overlap_starts_the_model_beside_the_lookup_only_while_nothing_runs
 
 
 def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
-    from ingress.pipeline import Pipeline, Prepared
+    from ingress.pipeline import Pipeline
+    from ingress.prepare import Prepared
     from semantic_cache.cache import Lookup
     from semantic_cache.exact import CachedResponse
 
@@ -676,7 +677,7 @@ def test_cache_key_follows_the_server_default_budget(serve_file):
     short.ingress.sampling.default_max_tokens = 16
 
     def key(args, **extra):
-        return Pipeline(args, backends=None, prompts={})._prepare("chat", {**body, **extra}, context_from_headers({})).cache_key
+        return Pipeline(args, backends=None, prompts={}).preparer.prepare("chat", {**body, **extra}, context_from_headers({})).cache_key
 
     assert key(serve_file.args) != key(short)
     assert key(serve_file.args, max_tokens=8) == key(short, max_tokens=8)
@@ -688,7 +689,7 @@ def test_a_llamacpp_stage_runs_no_more_sequences_than_it_has_contexts(serve_file
     small model made ~50 tokens/s, 6 made 2.4). A stream cancelled while waiting gives its place
     up. (Greedy text is not compared with solo runs: llama.cpp's numerics differ with how much
     of a prompt's KV a context could reuse, and that differs between the two.)"""
-    from engines.service import ModelService
+    from target.service import ModelService
 
     stage = serve_file.args.draft.model_copy(deep=True)
     stage.engine.max_sequences = 2
@@ -733,7 +734,7 @@ def test_model_niceness_is_a_level_not_an_increment():
 
     code = (
         "import os, threading\n"
-        "from engines.niceness import set_niceness\n"
+        "from host_tuning.niceness import set_niceness\n"
         "os.nice(15)\n"  # where Ray starts a worker
         "seen = []\n"
         "assert set_niceness(17) == 17, os.getpriority(os.PRIO_PROCESS, 0)\n"  # os.nice(17) would clamp at 19
@@ -756,7 +757,7 @@ def test_a_request_path_replica_goes_ahead_of_the_compute_on_every_thread_or_say
 
     code = (
         "import os, threading, time\n"
-        "from engines.niceness import set_process_niceness\n"
+        "from host_tuning.niceness import set_process_niceness\n"
         "os.nice(15)\n"  # where Ray starts a worker
         "ray_thread = threading.Thread(target=time.sleep, args=(2,)); ray_thread.start()\n"
         "root = os.geteuid() == 0\n"
@@ -824,7 +825,7 @@ def test_a_prompts_engine_queue_splits_into_the_prefills_and_steps_that_ran_ahea
     spent on decode steps and on other prompts' prefills; the job running at arrival counts only
     from then on. Two prompts arrive while a 0.4 s step holds the worker: the first waited for
     the step alone, the second for the step and the first one's prefill."""
-    from engines.service import ModelService
+    from target.service import ModelService
 
     stage = serve_file.args.target.model_copy(deep=True)
     stage.speculative.method = "none"

@@ -1,4 +1,4 @@
-"""AdmissionController, SemanticCache and Router: small stateful stages."""
+"""SemanticCache: the exact and semantic response cache, one call per lookup."""
 
 from __future__ import annotations
 
@@ -8,62 +8,13 @@ import logging
 
 from ray import serve
 
-from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
-from configs.schemas import AdmissionConfig, CacheConfig, RouterConfig
+from configs.schemas import CacheConfig, HostTuningConfig
 from deployments.channel import ChannelServer, offer, shut
-from engines.niceness import ahead_of_compute
-from router.base import RouteDecision, RouteFeatures
-from router.factory import make_router
+from host_tuning.niceness import ahead_of_compute
 from semantic_cache.cache import CacheEntry, Lookup, ResponseCache
-from semantic_cache.invalidations import InvalidationLog, Invalidations
 from semantic_cache.store import make_store
-from telemetry.metrics import ControllerMetrics
 
 log = logging.getLogger(__name__)
-
-
-@serve.deployment(name="AdmissionController")
-class AdmissionController:
-    """Shares the service-wide admission limits out among live ingress replicas."""
-
-    def __init__(self, args: dict, metrics_enabled: bool = True) -> None:
-        self.ledger = AdmissionLedger(AdmissionConfig.model_validate(args))
-        self.invalidations = InvalidationLog()  # every cache replica and near cache applies these
-        # Replica counts by deployment: ingresses size model seats with them (and, with metrics
-        # on, this one replica exports the fleet's counts).
-        self.replicas: dict[str, int] = {}
-        recorder = ControllerMetrics() if metrics_enabled else None
-        self._replicas_task = asyncio.create_task(self._count_replicas_forever(recorder))
-
-    async def _count_replicas_forever(self, recorder: ControllerMetrics | None, every_s: float = 5.0) -> None:
-        app = serve.get_replica_context().app_name
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                status = await loop.run_in_executor(None, serve.status)  # a controller call: off the loop
-                deployments = status.applications[app].deployments
-                self.replicas = {name: int(d.replica_states.get("RUNNING", 0)) for name, d in deployments.items()}
-                if recorder is not None:
-                    recorder.replicas(self.replicas)
-            except Exception as exc:
-                log.debug("replica count failed: %r", exc)
-            await asyncio.sleep(every_s)
-
-    async def report(self, replica_id: str, report: ReplicaReport) -> AdmissionShare:
-        share = self.ledger.report(replica_id, report)
-        share.replicas = dict(self.replicas)
-        share.invalidations = self.invalidations.since(report.invalidation_seq)
-        return share
-
-    async def invalidate(self, tenant: str) -> int:
-        """Record that `tenant`'s cached answers are dropped, for every replica to apply."""
-        return self.invalidations.add(tenant)
-
-    async def invalidations_since(self, seq: int) -> Invalidations:
-        return self.invalidations.since(seq)
-
-    async def totals(self) -> dict[str, int]:
-        return self.ledger.totals()
 
 
 @serve.deployment(name="SemanticCache")
@@ -72,10 +23,11 @@ class SemanticCache:
     the MiniLM embedding, made here, and the Qdrant search. The vector goes back to the ingress,
     which shares it with the router and sends it with the write: computed once per request."""
 
-    async def __init__(self, args: dict, controller=None) -> None:
+    async def __init__(self, args: dict, controller=None, host_tuning: dict | None = None) -> None:
         config = CacheConfig.model_validate(args)
-        if config.nice is not None:
-            ahead_of_compute(config.nice, "SemanticCache")
+        host = HostTuningConfig.model_validate(host_tuning or {})
+        if host.front_level is not None:
+            ahead_of_compute(host.front_level, "SemanticCache")
         self.embedder = None
         store = None
         if config.semantic.enabled:
@@ -94,7 +46,7 @@ class SemanticCache:
         # Lookups and writes on a Unix socket too, for ingresses on this node (deployments/channel.py).
         self._doors = {"handle": 0, "channel": 0}
         self._channel = None
-        if config.channel:
+        if host.channels:
             self._channel = await ChannelServer({"lookup": self._channel_lookup, "store": self.store}).start()
 
     async def channel(self) -> dict | None:
@@ -153,12 +105,3 @@ class SemanticCache:
                 self.cache.purge_expired()
             except Exception as exc:  # retried next round; searches filter expired entries anyway
                 log.warning("cache purge failed: %r", exc)
-
-
-@serve.deployment(name="Router")
-class Router:
-    def __init__(self, args: dict, large_model_id: str, small_model_id: str) -> None:
-        self.router = make_router(RouterConfig.model_validate(args), large_model_id, small_model_id)
-
-    async def route(self, features: RouteFeatures) -> RouteDecision:
-        return self.router.route(features)

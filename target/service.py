@@ -39,24 +39,25 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-from configs.schemas import ModelStageConfig
+from configs.schemas import HostTuningConfig, ModelStageConfig
 from draft.factory import build_proposers
 from draft.proposers import Proposer
 from engines.base import Engine, PassStopped
 from engines.factory import build_engine
-from engines.lookup_signal import LookupBoard
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from engines.worker_clock import Mark, WorkerClock
+from host_tuning.lookup_window import PrefillWindow
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
 from target.step_mode import StepModeChooser
 
+if TYPE_CHECKING:
+    from engines.vllm_service import VLLMService
+
 log = logging.getLogger(__name__)
 
-# With the lookup board ending the window, the ingress's estimate only stops a window whose
-# signal never comes: later than the estimate, so a slow lookup keeps its core.
-SIGNALLED_BACKSTOP = 2.0
 _WARMUP_TEXT = "Warm up the engine with a short prompt about the weather in a city by the sea."
 
 
@@ -83,8 +84,6 @@ class EngineStats:
         self.max_cancel_rounds_after = 0
         self.last_cancel_free_ms = 0
         self.seat_waits = 0  # requests that waited for a free sequence slot (engine.max_sequences)
-        self.prefills_beside_lookup = 0  # started beside the ingress's cache lookup (lookup_overlap_ms)
-        self.lookup_windows_signalled = 0  # of those, one-core windows the lookup board ended (same node)
         self.prefills_stopped = 0  # cancelled midway (a cache hit beside it, a client gone): the rest not computed
 
     def as_dict(self) -> dict[str, int]:
@@ -97,14 +96,16 @@ class ModelService:
         config: ModelStageConfig,
         engine: Engine | None = None,
         remote_draft: Proposer | None = None,
+        host: HostTuningConfig | None = None,
     ) -> None:
         self.config = config
-        self.engine = engine or build_engine(config.engine)
+        host = host or HostTuningConfig()
+        self.engine = engine or build_engine(config.engine, host.cores_shared)
         self.stats = EngineStats()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{config.engine.model_id}")
         self.worker_clock = WorkerClock()  # splits a prompt's engine_queue into what ran ahead of it
-        self.lookup_board = LookupBoard()  # lookups the ingress has finished, on this node
-        self._board_heard = False  # a mark has reached this replica: the estimate is only a backstop
+        # Host tuning: a prefill beside the ingress's cache lookup leaves it a core meanwhile.
+        self.window = PrefillWindow() if host.window else None
         # Batching needs an engine that can decode several sequences in one pass.
         self.max_batch = config.engine.max_batch_size if hasattr(self.engine, "decode_batch") else 1
         self._pending: list[tuple[Generation, asyncio.Future]] = []  # decode steps waiting for the worker
@@ -120,7 +121,7 @@ class ModelService:
         self.prefill_first = True
         # FIFO, and a waiter cancelled (client gone) gives up its place; one event loop per replica.
         self._seats = asyncio.Semaphore(self.engine.max_sequences) if self.engine.max_sequences else None
-        self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft)
+        self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft, share_cores=host.cores_shared)
         for proposer in self.proposers:  # long catch-ups and draft rounds give way to a queued prompt
             proposer.prompt_waiting = self._prefill_waiting
         self._live: dict[str, Generation] = {}  # request id -> its generation, for late hints
@@ -251,12 +252,16 @@ class ModelService:
 
     def snapshot(self) -> dict[str, float]:
         """The counters, plus the prefix cache's (hit rate, blocks, memory) where the engine has
-        one, the step modes chosen, and the forward passes by thread count (engines/cores.py)."""
+        one, the step modes chosen, and, with host tuning, the forward passes by thread count and
+        the prefills begun beside a cache lookup."""
         cache = getattr(self.engine, "prefix_cache", None)
         out = {**self.stats.as_dict(), **(cache.stats() if cache is not None else {})}
         if self.step_mode is not None:
             out["step_mode_batched"] = self.step_mode.decisions["batched"]
             out["step_mode_turns"] = self.step_mode.decisions["turns"]
+        if self.window is not None:
+            out["prefills_beside_lookup"] = self.window.prefills
+            out["lookup_windows_signalled"] = self.window.signalled  # ended by the ingress's mark
         cores = getattr(self.engine, "cores", None)
         if cores is not None and cores.enabled:  # forward passes on all threads / on one beside a busy box
             out["passes_all_threads"] = cores.passes["all"]
@@ -477,18 +482,7 @@ class ModelService:
         queue_ms = (time.perf_counter() - enqueued) * 1000
         ahead_ms = self.worker_clock.since(mark)
         jobs = self.worker_clock.jobs_since(mark)
-        overlap_s = gen.request.lookup_overlap_ms / 1000
-        held = False  # a window leaving a core to the lookup, kept by this engine
-        if overlap_s:
-            self.stats.prefills_beside_lookup += 1
-            # The ingress's cache lookup embeds beside this prefill (it started the model before
-            # the lookup came back): both on two cores beat either waiting for the other. Where
-            # the board has ended windows before (the ingress is on this node), it ends this one
-            # too, and the estimate is only a backstop.
-            ended = self.lookup_board.watch(gen.request.lookup_id) if gen.request.lookup_id else None
-            backstop = SIGNALLED_BACKSTOP if ended is not None and self._board_heard else 1.0
-            held = gen.engine.leave_one_core(enqueued + overlap_s * backstop, ended)
-            started = time.perf_counter()
+        window = self.window.open(gen.engine, gen.request.lookup_overlap, enqueued) if self.window else None
         with self._prefilling_lock:
             self._prefilling = gen
         try:
@@ -501,15 +495,10 @@ class ModelService:
             with self._prefilling_lock:
                 self._prefilling = None
                 gen.engine.stop_pass(False)
-            if overlap_s:
-                released = gen.engine.one_core_released
-                gen.engine.leave_one_core(0.0)
-        if held:  # how long the prefill kept to one thread, and what ended that
-            chunk.timings_ms["prefill.one_core"] = ((released[0] if released else time.perf_counter()) - started) * 1000
-            if released is not None and released[1] == "signal":
-                self.stats.lookup_windows_signalled += 1
-            # The mark came, if not in time: this replica shares the ingress's node.
-            self._board_heard = self._board_heard or (ended is not None and ended())
+            if window is not None:
+                self.window.close(window)
+        if window is not None:
+            self.window.report(window, chunk.timings_ms)
         chunk.timings_ms["engine_queue"] = queue_ms
         for kind, ms in ahead_ms.items():  # the worker's time on others' work while this one waited
             chunk.timings_ms[f"engine_queue.{kind}"] = ms
@@ -532,3 +521,15 @@ def _resolve(done: asyncio.Future, result) -> None:
         done.set_exception(result)
     else:
         done.set_result(result)
+
+
+def build_service(
+    config: ModelStageConfig, remote_draft: Proposer | None = None, host: HostTuningConfig | None = None
+) -> "ModelService | VLLMService":
+    """vLLM runs its own scheduler and speculation; every other engine runs under ModelService
+    (our batching, prefix cache and speculative decoding)."""
+    if config.engine.kind == "vllm":
+        from engines.vllm_service import VLLMService
+
+        return VLLMService(config)
+    return ModelService(config, remote_draft=remote_draft, host=host)

@@ -126,3 +126,35 @@ def running_service_urls(
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def replicas(app: str, deployment: str) -> list[str]:
+    """Actor names of a deployment's live replicas (Serve names them SERVE_REPLICA::app#deployment#id)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def kill_replica(name: str) -> None:
+    """What a crash looks like to Serve: the actor is gone; the controller starts a replacement."""
+    import ray
+
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def wait_replaced(app: str, deployment: str, victim: str, timeout_s: float = 180) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = replicas(app, deployment)
+        if alive and victim not in alive and healthy(app, deployment):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def healthy(app: str, deployment: str) -> bool:
+    from ray import serve
+    from ray.serve.schema import DeploymentStatus
+
+    return serve.status().applications[app].deployments[deployment].status == DeploymentStatus.HEALTHY

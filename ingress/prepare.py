@@ -1,0 +1,288 @@
+"""From an HTTP body to a `Prepared` request: read under limits, validate against the OpenAI
+schema and the input limits, key it for the cache, tokenize it with the chat template, fit it
+to the tier's input budget and the model's context window. Every failure is a 4xx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from admission.budget import trim_conversation
+from admission.gate import Ticket
+from admission.policy import AdmissionPolicy, Mode
+from admission.request import RequestContext
+from configs.schemas import AppArgs, InputLimits, TierConfig
+from engines.types import SamplingParams
+from ingress.errors import APIError, bad_request
+from ingress.prompts import PromptBuilder
+from ingress.protocol import ChatCompletionRequest, CompletionRequest, lone_surrogate_at
+from ingress.responses import Kind
+from router.base import RouteFeatures
+from semantic_cache.keys import exact_key, scope_key, split_query
+from telemetry.clock import StageClock
+from telemetry.tracing import RequestTrace
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to admit."""
+
+    kind: Kind
+    ctx: RequestContext
+    request: ChatCompletionRequest | CompletionRequest
+    requested_model: str
+    sampling: SamplingParams  # max_tokens is set by _tokenize, from the prompt's length
+    stream: bool
+    include_usage: bool
+    features: RouteFeatures
+    cache_key: str | None  # None: this request neither reads nor writes the cache
+    scope: str | None  # semantic scope (None: exact match only)
+    query: str | None  # the last user turn, what the semantic lookup compares
+    tokenize: Callable[[PromptBuilder], list[int]]  # re-tokenize for another model's tokenizer
+    tier: TierConfig
+    mode: Mode
+    chars: int = 0  # characters of message content or prompt: how long tokenizing it takes
+    prompt_ids: list[int] = field(default_factory=list)  # filled by _tokenize
+    vector: Any = None  # the request's embedding (from the cache lookup, or made here): router and write
+    lookup_done: asyncio.Event = field(default_factory=asyncio.Event)  # the cache lookup is over (or skipped)
+    coalesced: bool = False  # follows an identical generation already in flight
+    retried: bool = False  # a model replica died under this request and it was sent again
+    ticket: Ticket | None = None  # its admission slot (predictive mode)
+    admitted_at: float = 0.0  # perf_counter() when admitted: model-side times count from here
+    notes: dict[str, str] = field(default_factory=dict)  # response headers saying what admission changed
+    clock: StageClock = field(default_factory=StageClock)  # where its time went: Server-Timing, spans, metrics
+    trace: RequestTrace | None = None  # its spans, when tracing is on and the trace is sampled
+    model: str = ""  # the model that answers (after routing / downgrade; the cache's for a hit)
+    route: str = ""  # why: RouteDecision.reason
+    cache_state: str = "none"  # hit / miss / hint / bypass
+    engine_queue_ms: float = 0.0  # the model replica's queue and prefill, from its first chunk
+    decode_chunks: int = 0  # chunks with tokens after the first: the engine steps it took
+    prefill_ms: float | None = None
+    streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
+
+
+# Prompts longer than this are tokenized (and trimmed) on a worker thread, not on the event
+# loop every request and /health share: tokenizing ~8k characters takes a few ms.
+INLINE_TOKENIZE_CHARS = 8192
+
+
+class Preparer:
+    def __init__(self, args: AppArgs, prompts: dict[str, PromptBuilder], admission: AdmissionPolicy) -> None:
+        self.args = args
+        self.prompts = prompts  # model id -> prompt builder ("auto" uses the target's)
+        self.admission = admission
+        self.max_model_len = {
+            args.target.engine.model_id: args.target.engine.max_model_len,
+            args.draft.engine.model_id: args.draft.engine.max_model_len,
+            args.router.auto_model_id: args.target.engine.max_model_len,
+        }
+
+    async def read_json(self, request: Request) -> Any:
+        limit = self.args.ingress.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body over the {limit}-byte limit", code="body_too_large")
+        raw = bytearray()
+
+        async def read() -> None:
+            async for piece in request.stream():
+                raw.extend(piece)
+                if len(raw) > limit:
+                    raise APIError(413, f"request body over the {limit}-byte limit", code="body_too_large")
+
+        timeout = self.args.ingress.body_timeout_s
+        try:
+            await asyncio.wait_for(read(), timeout)  # a client that stalls mid-body holds nothing for long
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding")
+        try:
+            body = json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        where = lone_surrogate_at(text, body)
+        if where is not None:
+            raise bad_request(f"{where}: a lone UTF-16 surrogate is not text", where, "invalid_encoding")
+        return body
+
+    def prepare(
+        self, kind: Kind, body: Any, ctx: RequestContext, tier: TierConfig | None = None, mode: Mode | None = None
+    ) -> Prepared:
+        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        limits = self.args.ingress.limits
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list) and len(messages) > limits.max_messages:  # before validating them all
+            raise bad_request(
+                f"messages: {len(messages)} messages; this server takes at most {limits.max_messages} per request",
+                "messages", "too_many_messages",
+            )
+        req = _validate(schema, body)
+        chars = _check_sizes(req, limits)
+        unsupported = req.unsupported()
+        if unsupported:
+            raise bad_request(f"not supported by this server: {', '.join(unsupported)}", unsupported[0], "unsupported")
+        if req.model not in self.max_model_len:
+            raise APIError(
+                404,
+                f"model {req.model!r} does not exist; available: {', '.join(self.max_model_len)}",
+                param="model",
+                code="model_not_found",
+            )
+        if kind == "chat":
+            tokenize = lambda b: b.chat(req.messages)  # noqa: E731
+        else:
+            tokenize = lambda b: b.completion(req.prompt)  # noqa: E731
+        if kind == "chat":
+            turns = [{"role": m.role, "content": m.text()} for m in req.messages]
+            users = [t["content"] for t in turns if t["role"] == "user"]
+            last_user, user_turns = (users[-1] if users else ""), len(users)
+        else:
+            turns = [{"role": "prompt", "content": json.dumps(req.prompt)}]
+            last_user, user_turns = (req.prompt if isinstance(req.prompt, str) else ""), 1
+        sampling = SamplingParams(
+            max_tokens=0,  # the budget needs the prompt's length: _tokenize sets it
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            stop=tuple(req.stop),
+            seed=req.seed,
+        )
+        cache_key = scope = query = None
+        # Only greedy answers are reproducible, so only they are cached unless the client opts in.
+        cache = self.args.cache
+        if cache.enabled and (sampling.greedy or (cache.sampled_opt_in and ctx.cache_sampled)):
+            # The *requested* max_tokens: the same conversation always gets the same budget, and
+            # the key is known before tokenizing, so a repeat never pays for the tokenizer.
+            # Left to the server, the budget follows its configured default.
+            default = f"default:{self.args.ingress.sampling.default_max_tokens}"
+            budget = req.output_limit if req.output_limit is not None else default
+            sampling_key = {"max_tokens": budget, "stop": list(sampling.stop), "top_p": sampling.top_p}
+            if not sampling.greedy:
+                sampling_key.update(temperature=sampling.temperature, seed=sampling.seed)
+            model_key = f"{kind}:{req.model}"
+            cache_key = exact_key(tenant=ctx.tenant, model=model_key, messages=turns, sampling=sampling_key)
+            context, query = split_query(turns if kind == "chat" else [{"role": "prompt", "content": last_user}])
+            if query is not None and query.strip():
+                scope = scope_key(tenant=ctx.tenant, model=model_key, context=context, sampling=sampling_key)
+            else:
+                query = None
+        return Prepared(
+            kind=kind,
+            ctx=ctx,
+            request=req,
+            requested_model=req.model,
+            sampling=sampling,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            features=RouteFeatures(req.model, 0, req.output_limit or 0, user_turns, last_user[-2000:]),
+            cache_key=cache_key,
+            scope=scope,
+            query=query,
+            tokenize=tokenize,
+            tier=tier or self.admission.tier(ctx),
+            mode=mode or self.args.admission.mode,
+            chars=chars,
+        )
+
+    def tokenize(self, p: Prepared) -> None:
+        """Prompt ids and the output budget; 400 when the prompt is empty or can't fit."""
+        builder = self.prompts[p.requested_model]
+        p.prompt_ids = p.tokenize(builder)
+        if not p.prompt_ids:
+            raise bad_request("the prompt is empty", "messages" if p.kind == "chat" else "prompt")
+        budget = p.tier.max_input_tokens
+        if budget is not None and len(p.prompt_ids) > budget:
+            self._trim(p, builder, budget)
+        p.sampling.max_tokens = self._output_budget(p.request, len(p.prompt_ids))
+        cap = p.tier.max_output_tokens
+        if cap is not None and p.sampling.max_tokens > cap:
+            p.notes["x-max-tokens-clamped"] = f"{p.sampling.max_tokens}->{cap}; tier={p.ctx.tier}"
+            p.sampling.max_tokens = cap
+        p.features.prompt_tokens = len(p.prompt_ids)
+
+    def _trim(self, p: Prepared, builder: PromptBuilder, budget: int) -> None:
+        """Over the tier's input budget: drop the oldest turns (never the system prompt or the
+        last message) and say so; a prompt that can't be trimmed to fit is a 400."""
+        req = p.request
+        fitted = None
+        if isinstance(req, ChatCompletionRequest):
+            fitted = trim_conversation(
+                req.messages, lambda m: m.role, builder.message_tokens(req.messages), lambda ms: len(builder.chat(ms)),
+                budget, len(p.prompt_ids),
+            )
+        if fitted is None:
+            raise bad_request(
+                f"the {p.ctx.tier!r} tier allows {budget} input tokens and "
+                + ("the system prompt plus the last message alone are" if p.kind == "chat" else "the prompt is")
+                + f" over it ({len(p.prompt_ids)} tokens in all; the model's context window is "
+                f"{self.max_model_len[p.requested_model]})",
+                "messages" if p.kind == "chat" else "prompt",
+                "context_length_exceeded",
+            )
+        kept, dropped, tokens = fitted
+        p.tokenize = lambda b: b.chat(kept)  # noqa: E731  (a routed model re-tokenizes the trimmed turns)
+        before = len(p.prompt_ids)
+        p.prompt_ids = builder.chat(kept)
+        p.notes["x-context-trimmed"] = f"dropped_messages={dropped}; tokens={before}->{tokens}; tier={p.ctx.tier}"
+
+    def _output_budget(self, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> int:
+        window = self.max_model_len[req.model]
+        if prompt_tokens >= window:
+            raise bad_request(
+                f"this model's context window is {window} tokens and the prompt has {prompt_tokens}",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                "context_length_exceeded",
+            )
+        asked = req.output_limit
+        if asked is None:
+            return min(self.args.ingress.sampling.default_max_tokens, window - prompt_tokens)
+        if prompt_tokens + asked > window:
+            raise bad_request(
+                f"this model's context window is {window} tokens; you asked for {prompt_tokens + asked} "
+                f"({prompt_tokens} in the prompt, {asked} in the completion)",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return asked
+
+
+def _validate(schema: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or None
+        raise bad_request(f"{where}: {first['msg']}" if where else first["msg"], where) from None
+
+
+def _check_sizes(req: ChatCompletionRequest | CompletionRequest, limits: InputLimits) -> int:
+    """400s for what validation alone lets through: a prompt too long to tokenize cheaply, a
+    stop sequence whose hold-back would cost a decode of its length on every token."""
+    if isinstance(req, ChatCompletionRequest):
+        chars, param = sum(len(m.text()) for m in req.messages), "messages"
+    elif isinstance(req.prompt, str):
+        chars, param = len(req.prompt), "prompt"
+    else:
+        chars, param = sum(len(p) if isinstance(p, (str, list)) else 1 for p in req.prompt), "prompt"
+    if chars > limits.max_prompt_chars:
+        raise bad_request(
+            f"{param}: {chars} characters; this server takes at most {limits.max_prompt_chars} per request",
+            param, "prompt_too_long",
+        )
+    if any(len(s) > limits.max_stop_chars for s in req.stop):
+        raise bad_request(f"stop: each stop sequence may have at most {limits.max_stop_chars} characters", "stop")
+    return chars
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
