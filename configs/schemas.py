@@ -325,6 +325,10 @@ class TenantLimits(_Strict):
 
 def _default_tiers() -> dict[str, TierConfig]:
     return {
+        # A client that names no tier: served whenever the answer can come within the deadline,
+        # queued meanwhile; never refused for a first-token target it did not ask for.
+        "standard": TierConfig(priority=0, e2e_ms=60_000, downgrade=True),
+        # Asked for (x-slo-tier, or a tenant's tier): a first token within 1 s, or a 503 at once.
         "interactive": TierConfig(priority=0, ttft_ms=1000, e2e_ms=15_000, downgrade=True, max_queue_ms=0),
         "batch": TierConfig(priority=1, e2e_ms=120_000),
     }
@@ -345,7 +349,10 @@ class AdmissionConfig(_Strict):
     max_queued: int = Field(64, ge=0, description="requests waiting for a slot, whole service")
     sync_interval_s: float = Field(1.0, gt=0, description="how often ingress replicas sync with the controller")
     retry_after_s: int = Field(1, ge=0, description="Retry-After floor; sheds add the predicted wait")
-    default_tier: str = "interactive"
+    default_tier: str = Field(
+        "standard", description="the tier of a request whose header and tenant name none: standard queues "
+        "rather than sheds, within its end-to-end deadline"
+    )
     tiers: dict[str, TierConfig] = Field(default_factory=_default_tiers)
     tenants: dict[str, TenantLimits] = Field(
         default_factory=dict, description="by tenant id (`python -m admission.tenant KEY` prints a key's id); "
@@ -414,6 +421,10 @@ class IngressConfig(_Strict):
     )
     request_timeout_s: float = Field(300.0, gt=0, description="ceiling for a request without a deadline")
     body_timeout_s: float = Field(30.0, gt=0, description="the whole request body must arrive within this (408)")
+    warmup_wait_s: float = Field(
+        30.0, ge=0, description="a request that arrives before every stage is warm waits this long for it, "
+        "then gets 503 warming_up with Retry-After",
+    )
     log_prompts: bool = Field(
         False, description="log each request's body, and error messages (which may quote it); API keys never are"
     )

@@ -13,7 +13,7 @@ from ingress.auth import Caller, bearer_key
 from ingress.errors import bad_request
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-DEFAULT_TIER = "interactive"
+DEFAULT_TIER = "standard"  # until the policy resolves the tenant's or the configured default
 
 
 def tenant_from_headers(headers: Mapping[str, str], caller: Caller | None = None) -> str:

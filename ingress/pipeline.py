@@ -226,6 +226,8 @@ class Pipeline:
         response: Response | None = None
         shed: str | None = None
         try:
+            if not self.ready:
+                await self._warm_up()
             ctx = context_from_headers(request.headers, self.keys.identify(request.headers))
             mode = self.admission.mode(request.headers)
             tier = self.admission.tier(ctx)
@@ -303,6 +305,18 @@ class Pipeline:
         except Exception as exc:
             return APIError(503, f"the cache did not answer: {type(exc).__name__}", code="cache_unavailable").response()
         return JSONResponse({"object": "cache.invalidation", "tenant": tenant, "deleted": dropped})
+
+    async def _warm_up(self) -> None:
+        """Before every stage answers: wait for it up to `ingress.warmup_wait_s`, then a 503
+        that says so (never a deadline or load message: nothing is known of either yet)."""
+        deadline = time.monotonic() + self.args.ingress.warmup_wait_s
+        while not self.ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.ready:
+            raise APIError(
+                503, "the service is warming up: its stages are loading; retry shortly", code="warming_up",
+                headers={"Retry-After": "5"},
+            )
 
     def forget_tenants(self, tenants: list[str | None]) -> None:
         """Invalidations made through another ingress replica: the near cache drops them too

@@ -121,7 +121,7 @@ def test_one_trace_per_request_across_ingress_and_model_replica(service, otlp_si
     for span in spans:
         assert root.start_ns - slack <= span.start_ns <= span.end_ns <= root.end_ns + slack, span.name
     attrs = root.attributes
-    assert attrs["tenant.id"].endswith("/tracing") and attrs["slo.tier"] == "interactive"
+    assert attrs["tenant.id"].endswith("/tracing") and attrs["slo.tier"] == "standard"
     assert attrs["route.reason"] == "explicit" and attrs["gen_ai.response.model"] == TARGET
     assert attrs["cache.result"] in ("miss", "hint") and attrs["http.response.status_code"] == 200
     assert attrs["gen_ai.usage.output_tokens"] > 0 and "speculative.accepted_tokens" in attrs

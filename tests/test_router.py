@@ -201,7 +201,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     async def verdict(make_routing, headers: dict | None = None, max_tokens: int = 100) -> tuple:
         """An interactive auto request (downgrade allowed) waiting on `make_routing(p)`:
         (what _await_verdict decided, how long it took, the request)."""
-        ctx = context_from_headers({"x-request-deadline-ms": "4000", **(headers or {})})
+        ctx = context_from_headers({"x-request-deadline-ms": "4000", "x-slo-tier": "interactive", **(headers or {})})
         tier = pipeline.admission.tier(ctx)
         body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
                 "max_tokens": max_tokens, "temperature": 0}
@@ -286,7 +286,7 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
     pipeline.admission.estimates[small].prefill_ms_per_token.add(1, 0.5)
 
     async def admit(model: str) -> tuple[str, str, bool]:
-        ctx = context_from_headers({})  # the default tier: interactive, TTFT 1 s, downgrade allowed
+        ctx = context_from_headers({"x-slo-tier": "interactive"})  # TTFT 1 s, downgrade allowed
         tier = pipeline.admission.tier(ctx)
         body = {"model": model, "messages": [{"role": "user", "content": "Summarize this. " + "The sea is blue. " * 20}],
                 "max_tokens": 16, "temperature": 0}
@@ -320,7 +320,7 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     pipeline.gate.running.add(Ticket("elsewhere", "batch", 1, 10, 10))  # a busy box: no idle-box pass
 
     async def admit(model: str):
-        ctx = context_from_headers({})  # interactive: TTFT 1 s, no queueing
+        ctx = context_from_headers({"x-slo-tier": "interactive"})  # TTFT 1 s, no queueing
         tier = pipeline.admission.tier(ctx)
         body = {"model": model, "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
                 "max_tokens": 16, "temperature": 0}
@@ -338,7 +338,7 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
 
     # The large model would take it, its first token predicted in time but with less than the
     # 1.5x to spare a move needs (~750 ms of a 1 s target): a 503, not an upgrade to a late answer.
-    ctx = context_from_headers({})
+    ctx = context_from_headers({"x-slo-tier": "interactive"})
     p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
                                    "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx), "predictive")
     pipeline.preparer.tokenize(p)

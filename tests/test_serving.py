@@ -48,7 +48,7 @@ def test_chat_non_streaming_real_text_and_usage(service, tokenizer):
     assert raw.headers["x-cache"] == "bypass"
     assert raw.headers["x-route"].startswith(TARGET + ";reason=explicit")
     assert raw.headers["x-model-replica"], "which model replica answered"
-    assert raw.headers["x-slo-tier"] == "interactive"
+    assert raw.headers["x-slo-tier"] == "standard"  # no header: the tier that queues rather than sheds
     timing = raw.headers["server-timing"]
     for stage in ("parse", "tokenize", "admit", "route", "queue", "hop", "engine_queue", "prefill", "decode", "total"):
         assert f"{stage};dur=" in timing
@@ -422,7 +422,7 @@ def test_overload_sheds_with_retry_after_and_disconnect_stops_generation(service
         err = _error(resp, 503, "deadline_unmeetable")
         assert time.monotonic() - start < 0.25, "shed before the deadline, not at it"
         assert int(resp.headers["retry-after"]) >= 1
-        assert err["tier"] == "interactive" and err["deadline_ms"] == 300
+        assert err["tier"] == "standard" and err["deadline_ms"] == 300
         assert err["predicted"]["wait_ms"] > 300 and err["predicted"]["e2e_ms"] > 300
 
         # A batch request (120 s) may queue; with the one-place queue full, the next is shed at once.
@@ -496,7 +496,7 @@ def test_non_streaming_disconnect_stops_generation(service):
 
 
 def test_tier_budgets_trim_long_conversations_and_clamp_output(service, tokenizer):
-    budget = service.config.args.admission.tiers["interactive"].max_input_tokens
+    budget = service.config.args.admission.tiers["standard"].max_input_tokens
     filler = "The quick brown fox jumps over the lazy dog. " * 25  # ~250 tokens a turn
     turns = [{"role": "system", "content": "You are terse."}]
     for i in range(6):
@@ -510,7 +510,7 @@ def test_tier_budgets_trim_long_conversations_and_clamp_output(service, tokenize
     )
     resp = raw.parse()
     trimmed = dict(part.split("=", 1) for part in raw.headers["x-context-trimmed"].split("; "))
-    assert int(trimmed["dropped_messages"]) >= 2 and trimmed["tier"] == "interactive"
+    assert int(trimmed["dropped_messages"]) >= 2 and trimmed["tier"] == "standard"
     assert resp.usage.prompt_tokens <= budget < full, "the model saw the trimmed conversation"
     assert trimmed["tokens"] == f"{full}->{resp.usage.prompt_tokens}"
 
@@ -518,10 +518,10 @@ def test_tier_budgets_trim_long_conversations_and_clamp_output(service, tokenize
     one = [{"role": "user", "content": filler * 7}]  # ~1750 tokens: fits the model, not the tier
     with pytest.raises(openai.BadRequestError) as err:
         service.openai().chat.completions.create(model=TARGET, messages=one, max_tokens=4, extra_headers=NO_CACHE)
-    assert err.value.code == "context_length_exceeded" and "interactive" in err.value.message
+    assert err.value.code == "context_length_exceeded" and "standard" in err.value.message
 
     # max_tokens above the tier's output cap is lowered to it, and the response says so.
-    cap = service.config.args.admission.tiers["interactive"].max_output_tokens
+    cap = service.config.args.admission.tiers["standard"].max_output_tokens
     resp = _post(service, json.dumps({"model": TARGET, "messages": QUESTION, "max_tokens": cap + 100,
                                       "temperature": 0}), headers=NO_CACHE)
     assert resp.status_code == 200, resp.text
