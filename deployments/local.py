@@ -1,4 +1,5 @@
-"""Start the graph from a serve config in this Python process (tests and benchmarks).
+"""Start the graph from a serve config in this Python process (tests and benchmarks), and
+find or kill its replicas (the fault tests, `bench chaos`).
 
 Same graph, options and runtime env as `serve run serve_config.yaml`, but on a Ray started
 here with logical CPUs to spare and on a free loopback port.
