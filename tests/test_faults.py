@@ -69,6 +69,9 @@ def test_cache_replica_killed_degrades_to_misses(service):
     failures = service.http.get("/health").json()["cache"]["lookup_failures"]
     victim = replicas(app, "SemanticCache")[0]
     kill_replica(victim)
+    gone_by = time.monotonic() + 10  # ray.kill returns before the process is gone: a lookup could still win
+    while victim in replicas(app, "SemanticCache") and time.monotonic() < gone_by:
+        time.sleep(0.05)
     question = [{"role": "user", "content": "What colour is a ripe banana, in one word?"}]
     start = time.monotonic()
     resp = service.http.post(
