@@ -409,7 +409,7 @@ class InputLimits(_Strict):
 class IngressConfig(_Strict):
     served_model_ids: list[str] | None = Field(None, description="default: auto + every engine's model_id")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="request body size (413 above it)")
-    limits: InputLimits = InputLimits()
+    limits: InputLimits = Field(InputLimits(), description="what one request may ask of a replica (400s past it)")
     sampling: SamplingDefaults = SamplingDefaults()
     stage_timeout_s: float = Field(2.0, gt=0, description="cache/router call timeout; on expiry degrade, never fail")
     overlap_cache_lookup: bool | Literal["idle"] = Field(
@@ -556,9 +556,11 @@ class AppArgs(_Strict):
     cache: CacheConfig = CacheConfig()
     admission: AdmissionConfig = AdmissionConfig()
     ingress: IngressConfig = IngressConfig()
-    auth: AuthConfig = AuthConfig()
+    auth: AuthConfig = Field(AuthConfig(), description="API keys: required or not, who is listed, who is an admin")
     telemetry: TelemetryConfig = TelemetryConfig()
-    host_tuning: HostTuningConfig = HostTuningConfig()
+    host_tuning: HostTuningConfig = Field(
+        HostTuningConfig(), description="mechanisms for a small shared CPU box; off by default (docs/small-cpu-tuning.md)"
+    )
     handle_transport: Literal["grpc", "actor"] = Field(
         "grpc",
         description="how one deployment calls another (ingress -> cache/router/models, target -> remote draft): "

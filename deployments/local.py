@@ -129,6 +129,38 @@ def running_service_urls(
             ray.shutdown()
 
 
+@contextlib.contextmanager
+def another_app(
+    serve_file: ServeFile, args: AppArgs, name: str, proxy_url: str,
+    deployment_options: dict[str, dict] | None = None, startup_timeout_s: float = 300,
+) -> Iterator[str]:
+    """One more app of the graph on the Serve already running (tests): yield its base URL (its
+    own direct listener if `args` has one, else the proxy at `/name`) once healthy; delete it
+    afterwards."""
+    from ray import serve
+
+    from deployments.app import build_graph
+
+    options = deployment_options if deployment_options is not None else serve_file.deployment_options
+    serve.run(build_graph(args, options, quiet_logging(serve_file)), name=name, route_prefix=f"/{name}")
+    direct = args.ingress.direct_port
+    base = f"http://127.0.0.1:{direct}" if direct is not None else f"{proxy_url}/{name}"
+    deadline = time.monotonic() + startup_timeout_s
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"app {name} did not become healthy at {base} in {startup_timeout_s:.0f} s")
+        time.sleep(1)
+    try:
+        yield base
+    finally:
+        serve.delete(name)
+
+
 def replicas(app: str, deployment: str) -> list[str]:
     """Actor names of a deployment's live replicas (Serve names them SERVE_REPLICA::app#deployment#id)."""
     import ray

@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class LeavesOneCore(Protocol):
 
 @dataclass(slots=True)
 class _Opened:
-    engine: Any
+    engine: LeavesOneCore
     ended: Callable[[], bool] | None
     held: bool
     started: float
@@ -158,7 +158,8 @@ class PrefillWindow:
         self.prefills = 0  # prefills that started beside a lookup
         self.signalled = 0  # of those, windows the board ended
 
-    def open(self, engine: Any, overlap: LookupOverlap | None, enqueued: float) -> _Opened | None:
+    def open(self, engine: object, overlap: LookupOverlap | None, enqueued: float) -> _Opened | None:
+        """A window around the prefill about to run, where the engine can keep one (`LeavesOneCore`)."""
         if overlap is None or not hasattr(engine, "leave_one_core"):
             return None
         self.prefills += 1

@@ -28,7 +28,6 @@ def bearer_key(headers: Mapping[str, str]) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Caller:
     owner: str  # key-<hash prefix>, or anonymous
-    listed: bool  # a key the configuration names (auth keys or admission.tenants)
     admin: bool
 
 
@@ -75,9 +74,8 @@ class KeyRing:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         if digest is None:
-            return Caller(ANONYMOUS, False, False)
-        owner = owner_of_hash(digest)
-        return Caller(owner, digest in self._keys or owner in self._listed_owners, digest in self._admins)
+            return Caller(ANONYMOUS, False)
+        return Caller(owner_of_hash(digest), digest in self._admins)
 
     def owners(self) -> set[str]:
         """Tenant ids with rate limits of their own (every other caller shares one bucket)."""

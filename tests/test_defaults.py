@@ -5,8 +5,6 @@ for. And a request that comes while the service warms up waits for it, or is tol
 from __future__ import annotations
 
 import asyncio
-import time
-
 import httpx
 import pytest
 
@@ -17,26 +15,12 @@ from tests.test_auth import TARGET, _pipeline
 def shipped(service):
     """serve_config.yaml's args untouched (the shared test service tightens admission), as a
     second app on the same Serve, reached through the proxy at its own route prefix."""
-    from ray import serve
-
-    from deployments.app import build_graph
-    from deployments.local import quiet_logging
+    from deployments.local import another_app
 
     args = service.config.args.model_copy(deep=True)
     args.ingress.direct_port = None
-    options = {name: dict(opts) for name, opts in service.config.deployment_options.items()}
-    serve.run(build_graph(args, options, quiet_logging(service.config)), name="shipped", route_prefix="/shipped")
-    base = service.proxy_url + "/shipped"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    yield base
-    serve.delete("shipped")
+    with another_app(service.config, args, "shipped", service.proxy_url) as base:
+        yield base
 
 
 def test_three_concurrent_requests_without_headers_are_all_answered(shipped):

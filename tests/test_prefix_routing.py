@@ -3,8 +3,6 @@ replica that holds its history, and reuse its prefix KV there."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -21,10 +19,7 @@ FOLLOW_UPS = ["What should I think about first?", "Give me one more tip."]
 
 @pytest.fixture(scope="module")
 def two_replicas(service):
-    from ray import serve
-
-    from deployments.local import quiet_logging
-    from deployments.app import build_graph
+    from deployments.local import another_app
 
     args = service.config.args.model_copy(deep=True)
     args.cache.enabled = False  # every turn must reach a model replica
@@ -34,18 +29,8 @@ def two_replicas(service):
     options = {name: dict(opts) for name, opts in service.config.deployment_options.items()}
     options["TargetModel"]["num_replicas"] = 2
     assert "PrefixAffinityRouter" in options["TargetModel"]["request_router_config"]["request_router_class"]
-    serve.run(build_graph(args, options, quiet_logging(service.config)), name="affinity", route_prefix="/affinity")
-    base = service.proxy_url + "/affinity"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    yield base
-    serve.delete("affinity")
+    with another_app(service.config, args, "affinity", service.proxy_url, options, startup_timeout_s=240) as base:
+        yield base
 
 
 def test_each_conversation_stays_on_the_replica_holding_its_prefix(two_replicas):

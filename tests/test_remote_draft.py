@@ -18,10 +18,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def remote_app(service):
-    from ray import serve
-
-    from deployments.local import free_port, quiet_logging
-    from deployments.app import build_graph
+    from deployments.local import another_app, free_port
 
     args = service.config.args.model_copy(deep=True)
     args.target.speculative.method = "draft_model"
@@ -35,22 +32,8 @@ def remote_app(service):
     args.router.placement = "remote"
     args.ingress.overlap_cache_lookup = True
     args.ingress.direct_port = free_port()  # its own front door (the proxy has it at /remote too)
-    serve.run(
-        build_graph(args, service.config.deployment_options, quiet_logging(service.config)),
-        name="remote",
-        route_prefix="/remote",
-    )
-    base = f"http://127.0.0.1:{args.ingress.direct_port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    yield base
-    serve.delete("remote")
+    with another_app(service.config, args, "remote", service.proxy_url, startup_timeout_s=180) as base:
+        yield base
 
 
 def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
