@@ -51,9 +51,10 @@ INF = float("inf")
 QUEUE_HEADROOM = 1.25
 # Measured / predicted time to first token, learned from every admitted request, scales the
 # TTFT predictions within these bounds: the estimates are per concurrency level and miss what
-# else loads the box (bench load measured 1.6x at p50 at 4x capacity on 2 cores). Never below
-# 1: a quiet spell's pessimism must not turn into optimism at the start of the next burst.
-TTFT_BIAS_BOUNDS = (1.0, 3.0)
+# else loads the box (bench load measured 1.6x at p50 at 4x capacity on 2 cores), or count a
+# wait that did not come (0.3-0.6x at 12 clients). Right at the median; the tail is
+# `ttft_tail`'s.
+TTFT_BIAS_BOUNDS = (0.5, 3.0)
 # The spare a first token needs against its TTFT target: a high quantile (`ttft_tail_quantile`,
 # 0.95) of measured / predicted (scaled) TTFT over the first tokens of the last 30 s (64 at
 # most, from 10 on). bench load: that ratio was 0.5-0.9 at p50 but 1.4-2.3 at p95, and each
@@ -224,20 +225,24 @@ class AdmissionGate:
         spare = max(headroom, self.ttft_tail())
         return t.ttft_deadline is None or now + first_ms * spare / 1000 <= t.ttft_deadline
 
-    def _prefills_ahead_ms(self, now: float) -> float:
-        """Prompts admitted but not yet through prefill: the engine runs them before a new one.
-        One past its predicted first token is still in the engine: expect it to run as late again
-        as it already is (at most its own predicted time again), not to end now. Counted as
-        ending now, a long RAG prefill running late let newcomers in that then waited 0.8-1.1 s in
-        the engine queue and missed their 1 s TTFT (bench load, 1x)."""
+    def _prefills_ahead_ms(self, now: float, model_id: str) -> float:
+        """How long until the prompts admitted to `model_id` but not yet through prefill are
+        done: its engine runs them before a new one. Each one's predicted first token already
+        counts the prefills that were ahead of it, so the latest of them is the wait (a sum
+        counted every earlier prefill again for each later one: at 12 clients it predicted a
+        47 s first token for requests that got theirs in 2-3 s). One past its predicted first
+        token is still in the engine: expect it to run as late again as it already is (at most
+        its own predicted time again), not to end now. Counted as ending now, a long RAG prefill
+        running late let newcomers in that then waited 0.8-1.1 s in the engine queue and missed
+        their 1 s TTFT (bench load, 1x)."""
         ahead = 0.0
         for r in self.running:
-            if r.prefilled:
+            if r.prefilled or r.model_id != model_id:
                 continue
             if r.first_at >= now:
-                ahead += r.first_at - now
+                ahead = max(ahead, r.first_at - now)
             else:
-                ahead += min(now - r.first_at, max(0.0, r.first_at - r.started_at))
+                ahead = max(ahead, min(now - r.first_at, max(0.0, r.first_at - r.started_at)))
         return ahead * 1000
 
     def first_token(self, t: Ticket) -> None:
@@ -255,7 +260,7 @@ class AdmissionGate:
         """Can it start now without missing its own deadlines or pushing a running one past its?"""
         c = self.concurrency() + 1
         first_ms, last_ms = self._service_ms(t, c)
-        ahead_ms = self._prefills_ahead_ms(now)
+        ahead_ms = self._prefills_ahead_ms(now, t.model_id)
         first_ms, last_ms = first_ms + ahead_ms, last_ms + ahead_ms
         if not self._first_in_time(t, now, first_ms, ttft_headroom):
             return False
@@ -287,7 +292,7 @@ class AdmissionGate:
         if self.estimates[t.model_id].itl.levels == {}:
             return True  # nothing measured yet: try it, and learn
         first_ms, _ = self._service_ms(t, self.concurrency() + 1)
-        first_ms += self._prefills_ahead_ms(now)
+        first_ms += self._prefills_ahead_ms(now, t.model_id)
         if t.deadline is not None and now + first_ms / 1000 > t.deadline:
             return False
         return idle_box or self._first_in_time(t, now, first_ms)
@@ -305,7 +310,7 @@ class AdmissionGate:
         start = slots[0] if (ahead or self.inflight >= self.max_inflight or not self._idle(t.model_id)) else now
         start = max(start, self._seat_free_at(t.model_id, now))
         first_ms, last_ms = self._service_ms(t, c)
-        pending_ms = self._prefills_ahead_ms(start)
+        pending_ms = self._prefills_ahead_ms(start, t.model_id)
         first_ms, last_ms = first_ms + pending_ms, last_ms + pending_ms
         wait_ms = (start - now) * 1000
         return Prediction(wait_ms, (now - t.arrived) * 1000 + wait_ms + first_ms, (now - t.arrived) * 1000 + wait_ms + last_ms)
@@ -438,7 +443,7 @@ class AdmissionGate:
         c = self.concurrency() + 1
         t.started_at, t.concurrency_at_start, t.ttft_scale = now, c, self.bias() * self.safety
         first_ms, last_ms = self._service_ms(t, c)
-        ahead_s = self._prefills_ahead_ms(now) / 1000
+        ahead_s = self._prefills_ahead_ms(now, t.model_id) / 1000
         t.first_at, t.finish_at = now + ahead_s + first_ms / 1000, now + ahead_s + last_ms / 1000
         self.running.add(t)
         self.admitted += 1
