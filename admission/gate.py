@@ -25,8 +25,8 @@ it away.
 
 Every first token calibrates: measured / predicted time to first token, an EWMA, scales the
 next TTFT predictions (`bias`, never below 1). A TTFT target is a tail bound, and a mean bias
-leaves half the misses in place: the first token must also arrive in time when it comes as late,
-against its scaled prediction, as the recent 95th percentile did (`ttft_tail`).
+leaves half the misses in place: the first token must also arrive in time when it comes as many
+ms late, against its scaled prediction, as the recent 95th percentile did (`ttft_tail_ms`).
 
 Concurrency counts every model's running requests: on one box the models share the cores
 (in the service on 2 CPU cores, the target's ITL with two requests in flight, on either model,
@@ -53,17 +53,20 @@ QUEUE_HEADROOM = 1.25
 # TTFT predictions within these bounds: the estimates are per concurrency level and miss what
 # else loads the box (bench load measured 1.6x at p50 at 4x capacity on 2 cores), or count a
 # wait that did not come (0.3-0.6x at 12 clients). Right at the median; the tail is
-# `ttft_tail`'s.
+# `ttft_tail_ms`'s.
 TTFT_BIAS_BOUNDS = (0.5, 3.0)
 # The spare a first token needs against its TTFT target: a high quantile (`ttft_tail_quantile`,
-# 0.95) of measured / predicted (scaled) TTFT over the first tokens of the last 30 s (64 at
-# most, from 10 on). bench load: that ratio was 0.5-0.9 at p50 but 1.4-2.3 at p95, and each
-# TTFT miss was a prefill predicted at 0.84-0.98 s. Counted without an age limit, the lateness
-# of a busy spell (the warm-up's) shed 43% of the requests at half capacity minutes later.
+# 0.95) of how late first tokens came against their (scaled) predictions, in ms, over the first
+# tokens of the last 30 s (64 at most, from 10 on). Lateness is added, not multiplied: bench load
+# measured measured/predicted at 0.94 at p50 but 2.4 at p95, the large ratios on short
+# predictions (100 ms predicted, 240 ms measured); as a factor on every prediction it turned
+# away 15% of the requests at 1x capacity, predicted at 750 ms, while the admitted ones' TTFT
+# p99 was 530 ms against a 1 s target. Counted without an age limit, the lateness of a busy
+# spell (the warm-up's) shed 43% of the requests at half capacity minutes later.
 TTFT_TAIL_WINDOW = 64
 TTFT_TAIL_MAX_AGE_S = 30.0
 TTFT_TAIL_MIN_SAMPLES = 10
-TTFT_TAIL_BOUNDS = (1.0, 2.0)
+TTFT_TAIL_MAX_MS = 2000.0
 
 
 @dataclass(eq=False)
@@ -136,7 +139,7 @@ class AdmissionGate:
         self.admitted = 0
         self.rejected: dict[str, int] = {}
         self.ttft_bias = Ewma(0.2)  # measured / predicted time to first token once started
-        # (when, measured / scaled predicted time to first token), for `ttft_tail`; None: no tail
+        # (when, ms the first token came after its scaled prediction), for `ttft_tail_ms`
         self.ttft_tail_quantile = ttft_tail_quantile
         self.ttft_late: collections.deque[tuple[float, float]] = collections.deque(maxlen=TTFT_TAIL_WINDOW)
         self._tail: float | None = None  # cached until a first token arrives or one ages out
@@ -205,25 +208,25 @@ class AdmissionGate:
         low, high = TTFT_BIAS_BOUNDS
         return min(high, max(low, self.ttft_bias.value or 1.0))
 
-    def ttft_tail(self) -> float:
+    def ttft_tail_ms(self) -> float:
         """How late, at `ttft_tail_quantile`, the last 30 s of first tokens came against their
-        (scaled) predictions: a first token must be predicted in time with this much to spare."""
+        (scaled) predictions, in ms: a first token must be predicted in time with this to spare."""
         while self.ttft_late and self.ttft_late[0][0] < self._clock() - TTFT_TAIL_MAX_AGE_S:
             self.ttft_late.popleft()
             self._tail = None
         if self._tail is None:
-            self._tail = 1.0
+            self._tail = 0.0
             if self.ttft_tail_quantile is not None and len(self.ttft_late) >= TTFT_TAIL_MIN_SAMPLES:
-                ordered = sorted(ratio for _, ratio in self.ttft_late)
-                low, high = TTFT_TAIL_BOUNDS
-                self._tail = min(high, max(low, ordered[int(self.ttft_tail_quantile * (len(ordered) - 1))]))
+                ordered = sorted(late for _, late in self.ttft_late)
+                late = ordered[int(self.ttft_tail_quantile * (len(ordered) - 1))]
+                self._tail = min(TTFT_TAIL_MAX_MS, max(0.0, late))
         return self._tail
 
     def _first_in_time(self, t: Ticket, now: float, first_ms: float, headroom: float = 1.0) -> bool:
-        """Would its first token, `first_ms` from now, make its TTFT deadline with `headroom`,
-        or the recent tail of lateness if that is more, to spare?"""
-        spare = max(headroom, self.ttft_tail())
-        return t.ttft_deadline is None or now + first_ms * spare / 1000 <= t.ttft_deadline
+        """Would its first token, `first_ms` from now, make its TTFT deadline with `headroom`
+        (a factor), or the recent tail of lateness (ms) if that is more, to spare?"""
+        needed_ms = max(first_ms * headroom, first_ms + self.ttft_tail_ms())
+        return t.ttft_deadline is None or now + needed_ms / 1000 <= t.ttft_deadline
 
     def _prefills_ahead_ms(self, now: float, model_id: str) -> float:
         """How long until the prompts admitted to `model_id` but not yet through prefill are
@@ -252,7 +255,7 @@ class AdmissionGate:
             measured, predicted = self._clock() - t.started_at, t.first_at - t.started_at
             if predicted > 0:  # against the unscaled prediction, or the bias would chase itself
                 self.ttft_bias.add(min(4.0, measured * t.ttft_scale / predicted))
-                self.ttft_late.append((self._clock(), measured / predicted))
+                self.ttft_late.append((self._clock(), (measured - predicted) * 1000))
                 self._tail = None
         t.prefilled = True
 
@@ -488,6 +491,6 @@ class AdmissionGate:
             "admitted": self.admitted,
             "rejected": dict(self.rejected),
             "ttft_bias": None if self.ttft_bias.value is None else round(self.ttft_bias.value, 3),
-            "ttft_tail": round(self.ttft_tail(), 3),
+            "ttft_tail_ms": round(self.ttft_tail_ms(), 1),
             "estimates": self.estimates.snapshot(),
         }

@@ -384,7 +384,7 @@ def run(quick: bool = False, out: str | None = None, requests: int | None = None
         "warm_in_s_per_point": warm_in,
         "points": points,
         "admission_view": {"max_view_age_ms": health.get("max_view_age_ms"), "ttft_bias": health.get("ttft_bias"),
-                           "ttft_tail": health.get("ttft_tail"),
+                           "ttft_tail_ms": health.get("ttft_tail_ms"),
                            "estimates": health.get("estimates")},
     }
     at2 = {p["admission"]: p for p in points if p["load_factor"] == 2.0}

@@ -362,8 +362,8 @@ class AdmissionConfig(_Strict):
     prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until measured")
     safety: float = Field(1.1, ge=1.0, description="predicted times are multiplied by this before comparing")
     ttft_tail_quantile: float | None = Field(
-        0.95, gt=0, lt=1, description="a first token must be predicted in time even as late, against its "
-        "prediction, as this quantile of the last 30 s of first tokens came (a TTFT target is a tail bound); "
+        0.95, gt=0, lt=1, description="a first token must be predicted in time even as many ms late, against "
+        "its prediction, as this quantile of the last 30 s of first tokens came (a TTFT target is a tail bound); "
         "null: the mean bias only",
     )
     verdict_wait_ms: float = Field(
