@@ -24,7 +24,7 @@ An idle model takes a request it can start in time (`_idle_takes`): nothing is g
 it away.
 
 Every first token calibrates: measured / predicted time to first token, an EWMA, scales the
-next TTFT predictions (`bias`, never below 1). A TTFT target is a tail bound, and a mean bias
+next TTFT predictions of its model (`bias`, within 0.5-3x). A TTFT target is a tail bound, and a mean bias
 leaves half the misses in place: the first token must also arrive in time when it comes as many
 ms late, against its scaled prediction, as the recent 95th percentile did (`ttft_tail_ms`).
 
@@ -138,7 +138,7 @@ class AdmissionGate:
         self._seq = itertools.count()
         self.admitted = 0
         self.rejected: dict[str, int] = {}
-        self.ttft_bias = Ewma(0.2)  # measured / predicted time to first token once started
+        self.ttft_bias: dict[str, Ewma] = {}  # per model: measured / predicted time to first token once started
         # (when, ms the first token came after its scaled prediction), for `ttft_tail_ms`
         self.ttft_tail_quantile = ttft_tail_quantile
         self.ttft_late: collections.deque[tuple[float, float]] = collections.deque(maxlen=TTFT_TAIL_WINDOW)
@@ -201,12 +201,15 @@ class AdmissionGate:
         # The engine finishes the step in progress before it prefills a new sequence: a batched
         # decode step, or a lone request's whole speculative round.
         step = est.step_ms(concurrency - 1) if concurrency > 1 and not self._idle(t.model_id) else 0.0
-        first = (est.prefill_ms(t.prompt_tokens, concurrency) + step) * self.bias()
+        first = (est.prefill_ms(t.prompt_tokens, concurrency) + step) * self.bias(t.model_id)
         return first * self.safety, (first + est.expected_tokens(t.max_tokens) * itl) * self.safety
 
-    def bias(self) -> float:
+    def bias(self, model_id: str) -> float:
+        """Measured / predicted time to first token on this model, lately (its own engine, its
+        own errors: the small model's and the target's differ)."""
         low, high = TTFT_BIAS_BOUNDS
-        return min(high, max(low, self.ttft_bias.value or 1.0))
+        ewma = self.ttft_bias.get(model_id)
+        return min(high, max(low, (ewma.value if ewma is not None else None) or 1.0))
 
     def ttft_tail_ms(self) -> float:
         """How late, at `ttft_tail_quantile`, the last 30 s of first tokens came against their
@@ -254,7 +257,7 @@ class AdmissionGate:
         if not t.prefilled and t.started_at:
             measured, predicted = self._clock() - t.started_at, t.first_at - t.started_at
             if predicted > 0:  # against the unscaled prediction, or the bias would chase itself
-                self.ttft_bias.add(min(4.0, measured * t.ttft_scale / predicted))
+                self.ttft_bias.setdefault(t.model_id, Ewma(0.2)).add(min(4.0, measured * t.ttft_scale / predicted))
                 self.ttft_late.append((self._clock(), (measured - predicted) * 1000))
                 self._tail = None
         t.prefilled = True
@@ -444,7 +447,7 @@ class AdmissionGate:
 
     def _start(self, t: Ticket, now: float) -> None:
         c = self.concurrency() + 1
-        t.started_at, t.concurrency_at_start, t.ttft_scale = now, c, self.bias() * self.safety
+        t.started_at, t.concurrency_at_start, t.ttft_scale = now, c, self.bias(t.model_id) * self.safety
         first_ms, last_ms = self._service_ms(t, c)
         ahead_s = self._prefills_ahead_ms(now, t.model_id) / 1000
         t.first_at, t.finish_at = now + ahead_s + first_ms / 1000, now + ahead_s + last_ms / 1000
@@ -490,7 +493,7 @@ class AdmissionGate:
             "seats": dict(self.seats),
             "admitted": self.admitted,
             "rejected": dict(self.rejected),
-            "ttft_bias": None if self.ttft_bias.value is None else round(self.ttft_bias.value, 3),
+            "ttft_bias": {m: round(e.value, 3) for m, e in self.ttft_bias.items() if e.value is not None},
             "ttft_tail_ms": round(self.ttft_tail_ms(), 1),
             "estimates": self.estimates.snapshot(),
         }

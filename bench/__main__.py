@@ -32,6 +32,7 @@ SUITES = {
     "prefill_order": "bench.prefill_order",  # small model: a new prompt ahead of queued decode steps vs behind them
     "contention": "bench.contention",  # both models decoding at once on the cores, at each niceness
     "sweep": "bench.sweep",  # no headers, 1-16 concurrent clients on the shipped config: answered, refused and why
+    "guidellm": "bench.guidellm",  # guidellm (a public load tool, own env) at 1-8 streams, no headers
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
 }
 

@@ -247,6 +247,14 @@ class SemanticConfig(_Strict):
     """Paraphrase matching on the last user turn, inside the scope of everything else."""
 
     enabled: bool = True
+    mode: Literal["verify", "trust"] = Field(
+        "verify",
+        description="verify: a semantic match is never served as is; the answering model checks the cached answer "
+        "as a speculative draft, token by token, so the response is exactly the model's own (x-cache: verified); "
+        "a wrong cached answer costs speed, never correctness. Needs a model that drafts from hints (the "
+        "transformers target with speculation); elsewhere a match is generated as a miss. trust: a match that "
+        "passes the threshold and the guards is served at once (x-cache: hit), and can be wrong",
+    )
     threshold: float = Field(0.86, gt=0, le=1, description="cosine to serve a hit; tuned by `python -m bench cache`")
     hint_threshold: float = Field(0.7, gt=0, le=1, description="cosine to hand a near miss to the target as a draft")
     guards: bool = Field(True, description="negation / number / entity / contrast checks before serving a hit")

@@ -1,10 +1,84 @@
-"""Turn next-token logits into a token: greedy, or temperature + top-p with a seeded RNG."""
+"""Turn next-token logits into a token: greedy, or temperature + top-p/top-k/min-p with a seeded RNG.
+
+`LogitsAdjuster` applies what depends on the request and the tokens so far (penalties,
+logit_bias, min_tokens, ignore_eos) before either. It works on several rows at once, row i being
+the position after i draft tokens, so speculative verification judges each draft against
+exactly the distribution the target alone would have chosen from there: lossless under all of
+them.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from engines.types import SamplingParams
+
+
+class LogitsAdjuster:
+    """One request's logits processing: OpenAI's presence/frequency penalties (on generated
+    tokens), vLLM's repetition penalty (on prompt and generated tokens), logit_bias, and EOS
+    held back until `min_tokens` (always, with `ignore_eos`)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], eos_ids: frozenset[int]) -> None:
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.eos_ids = sorted(eos_ids)
+        self.generated = 0
+        self._counts: torch.Tensor | None = None  # generated-token counts [vocab], made on first use
+        self._prompt_seen: torch.Tensor | None = None
+        self._pending: list[int] = []  # generated before the vocab size was known
+
+    def accept(self, token: int) -> None:
+        """A token was emitted."""
+        self.generated += 1
+        if not self.params.penalized:
+            return
+        if self._counts is None:
+            self._pending.append(token)
+        else:
+            self._counts[token] += 1
+
+    def _state(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32)
+            for token in self._pending:
+                self._counts[token] += 1
+            self._pending = []
+            self._prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+            ids = [t for t in self.prompt_ids if 0 <= t < vocab]
+            if ids:
+                self._prompt_seen[torch.tensor(ids)] = True
+        assert self._prompt_seen is not None
+        return self._counts, self._prompt_seen
+
+    def __call__(self, logits: torch.Tensor, drafts: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+        """Adjusted logits. `logits` is [vocab] (the next position) or [rows, vocab], row i the
+        position after `drafts[:i]`."""
+        p = self.params
+        if not p.adjusts_logits:
+            return logits
+        single = logits.dim() == 1
+        x = (logits.unsqueeze(0) if single else logits).float().clone()
+        rows, vocab = x.shape
+        if p.penalized:
+            counts, seen_prompt = self._state(vocab)
+            counts = counts.unsqueeze(0).repeat(rows, 1)
+            for i, token in enumerate(drafts[: rows - 1]):
+                counts[i + 1:, token] += 1
+            if p.repetition_penalty != 1.0:
+                seen = seen_prompt.unsqueeze(0) | (counts > 0)
+                penalized = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+                x = torch.where(seen, penalized, x)
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
+            bias = torch.tensor([b for t, b in p.logit_bias if 0 <= t < vocab], dtype=torch.float32)
+            if len(ids):
+                x[:, ids] += bias
+        if self.eos_ids and (p.ignore_eos or self.generated < p.min_tokens):
+            held = rows if p.ignore_eos else min(rows, p.min_tokens - self.generated)
+            x[:held, self.eos_ids] = float("-inf")
+        return x[0] if single else x
 
 # Below this, logits / temperature overflows float32 and softmax returns NaN; a temperature this
 # small is greedy in all but name, so it is computed as this one.
@@ -24,12 +98,20 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled request draws from (after temperature and top-p).
+    """The distribution a sampled request draws from (after top-k, temperature, min-p and top-p).
 
     Speculative verification needs these exact probabilities, not just a sample, so keep
     this separate from `sample`.
     """
-    probs = torch.softmax(logits.float() / max(params.temperature, MIN_TEMPERATURE), dim=-1)
+    logits = logits.float()
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / max(params.temperature, MIN_TEMPERATURE), dim=-1)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True, dim=-1)
         cumulative = torch.cumsum(sorted_probs, dim=-1)

@@ -27,10 +27,31 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    # OpenAI's penalties (on the tokens generated so far) and logit_bias ((token id, bias), ...);
+    # vLLM's repetition_penalty (on prompt and output tokens), top_k (0: off), min_p,
+    # min_tokens and ignore_eos.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Do the logits depend on the tokens so far (penalties), so need a per-row pass?"""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Is anything applied to the logits before choosing (beyond temperature, top-p/k, min-p)?"""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.ignore_eos
 
 
 @dataclass(slots=True)

@@ -8,7 +8,8 @@ decoding (`engine.vllm.speculative`). So this is not an `Engine` (forward passes
 model deployments stream to the ingress. The graph, the ingress, admission, the cache and the
 router are unchanged.
 
-Per request, mapped one to one: max_tokens, temperature, top_p, stop strings, seed. The ingress
+Per request, mapped one to one: max_tokens, temperature, top_p, top_k, min_p, stop strings,
+seed, the penalties, logit_bias, min_tokens and ignore_eos. The ingress
 has already applied the chat template and tokenized the prompt, so vLLM gets token ids and the
 prompt token count in `usage` is the ingress's. Cancelling the consumer (the client went away)
 aborts the request inside vLLM, freeing its KV blocks. Semantic-cache near-miss drafts
@@ -96,6 +97,14 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
         "top_p": params.top_p,
         "stop": list(params.stop) or None,
         "seed": params.seed,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "logit_bias": dict(params.logit_bias) or None,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # vLLM's "off"
+        "min_p": params.min_p,
+        "min_tokens": params.min_tokens,
+        "ignore_eos": params.ignore_eos,
     }
 
 

@@ -9,7 +9,8 @@
                    routing = rules, then the difficulty classifier on the embedding the lookup
                              brought back, its threshold shifted by live load (in-process)
               ─► tenant rate limits (429 + Retry-After), in-process
-              ─► hit: answer now (x-cache: hit), taking no admission slot
+              ─► hit: answer now (x-cache: hit), taking no admission slot; a semantic match
+                 (semantic.mode verify) is checked by the model as a draft (x-cache: verified)
               ─► admission, in-process, no hop: start, queue (EDF within tier), downgrade
                  to the small model, or shed (503 + Retry-After + the prediction)
               ─► near miss: its answer rides along as a speculative draft (x-cache: hint);
@@ -207,6 +208,9 @@ class Pipeline:
             stage.engine.model_id for stage in (args.target, args.draft)
             if stage.engine.kind != "vllm" and stage.speculative.method != "none" and stage.speculative.use_hints
         }
+        if args.cache.enabled and args.cache.semantic.enabled and args.cache.semantic.mode == "verify" and not self._hint_models:
+            log.warning("cache.semantic.mode verify: no model here drafts from hints (vLLM, or speculation off), so "
+                        "a semantic match is generated as a miss; exact hits are served as before")
         self.route_counts: dict[str, int] = {}  # "model/reason" -> requests
         self.cache_failures = 0  # lookups that failed or timed out and were served as misses
         self.stalled_readers: Callable[[], int] = lambda: 0  # responses cut for a reader that stopped reading
@@ -543,6 +547,8 @@ class Pipeline:
                 text, last = await self._collect(first, f.stream, p)
             if p.retried:
                 headers["x-retried"] = "1"
+            if p.cache_state in ("verified", "hint"):
+                headers["x-cache-accepted"] = _accepted(last)
             f.stream = None  # finished: nothing left to cancel
             clock.stage("decode")
             self._finished(p, last, f.first_at)
@@ -609,7 +615,8 @@ class Pipeline:
         draft from it (no speculation, hints off, vLLM): then it costs no encode and no hop."""
         if hint.response is None or model_id not in self._hint_models:
             return None
-        p.cache_state = "hint"
+        p.cache_state = "verified" if hint.reason == "verify" else "hint"
+        p.notes["x-cache-match"] = f"{hint.reason};score={hint.score or 0:.3f}"
         return builder.tokenizer.encode(hint.response.text, add_special_tokens=False)
 
     def _overlap_lookup(self) -> bool:
@@ -935,6 +942,14 @@ class Pipeline:
             "x-slo-tier": p.ctx.tier,
             **p.notes,
         }
+
+
+def _accepted(last: GenerateChunk) -> str:
+    """How much of a cached answer offered as a draft the model kept: `accepted/proposed`
+    tokens, and the answer's length."""
+    accepted = int(last.timings_ms.get("spec_hint_accepted", 0))
+    proposed = int(last.timings_ms.get("spec_hint_proposed", 0))
+    return f"accepted={accepted};proposed={proposed};completion_tokens={last.completion_tokens}"
 
 
 # Ray's "the actor is gone" errors, by name so this module needs no Ray: RayActorError and its

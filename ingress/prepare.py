@@ -154,6 +154,14 @@ class Preparer:
             top_p=1.0 if req.top_p is None else req.top_p,
             stop=tuple(req.stop),
             seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in (req.logit_bias or {}).items() if b)),
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            min_tokens=req.min_tokens or 0,
+            ignore_eos=bool(req.ignore_eos),
         )
         cache_key = scope = query = None
         # Only greedy answers are reproducible, so only they are cached unless the client opts in.
@@ -165,8 +173,15 @@ class Preparer:
             default = f"default:{self.args.ingress.sampling.default_max_tokens}"
             budget = req.output_limit if req.output_limit is not None else default
             sampling_key = {"max_tokens": budget, "stop": list(sampling.stop), "top_p": sampling.top_p}
+            if sampling.adjusts_logits:  # penalties, biases, min_tokens, ignore_eos change the answer
+                sampling_key.update(
+                    presence=sampling.presence_penalty, frequency=sampling.frequency_penalty,
+                    repetition=sampling.repetition_penalty, bias=[list(b) for b in sampling.logit_bias],
+                    min_tokens=sampling.min_tokens, ignore_eos=sampling.ignore_eos,
+                )
             if not sampling.greedy:
-                sampling_key.update(temperature=sampling.temperature, seed=sampling.seed)
+                sampling_key.update(temperature=sampling.temperature, seed=sampling.seed, top_k=sampling.top_k,
+                                    min_p=sampling.min_p)
             model_key = f"{kind}:{req.model}"
             cache_key = exact_key(tenant=ctx.tenant, model=model_key, messages=turns, sampling=sampling_key)
             context, query = split_query(turns if kind == "chat" else [{"role": "prompt", "content": last_user}])
@@ -201,7 +216,15 @@ class Preparer:
         budget = p.tier.max_input_tokens
         if budget is not None and len(p.prompt_ids) > budget:
             self._trim(p, builder, budget)
+        vocab = len(builder.tokenizer)
+        outside = [t for t, _ in p.sampling.logit_bias if t >= vocab]
+        if outside:
+            raise bad_request(f"logit_bias: token {outside[0]} is outside this model's vocabulary of {vocab}", "logit_bias")
         p.sampling.max_tokens = self._output_budget(p.request, len(p.prompt_ids))
+        if p.sampling.min_tokens > p.sampling.max_tokens:
+            raise bad_request(
+                f"min_tokens ({p.sampling.min_tokens}) is more than max_tokens ({p.sampling.max_tokens})", "min_tokens"
+            )
         cap = p.tier.max_output_tokens
         if cap is not None and p.sampling.max_tokens > cap:
             p.notes["x-max-tokens-clamped"] = f"{p.sampling.max_tokens}->{cap}; tier={p.ctx.tier}"

@@ -57,10 +57,25 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
     user: str | None = None
-    # Known but unsupported: accepted only at their neutral values.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    # vLLM's extensions, as its OpenAI server takes them
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.strip().isdigit():
+                raise ValueError(f"keys are token ids; {token[:40]!r} is not one")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"a bias is between -100 and 100; token {token} has {bias}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -76,12 +91,6 @@ class _Sampling(_Request):
         bad = []
         if self.n not in (None, 1):
             bad.append("n")
-        if self.frequency_penalty not in (None, 0.0):
-            bad.append("frequency_penalty")
-        if self.presence_penalty not in (None, 0.0):
-            bad.append("presence_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
         return bad
 
 

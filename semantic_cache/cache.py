@@ -4,7 +4,9 @@
       lookup_exact(key)                    -> hash lookup, microseconds; no embedding needed
       embed(query)                         -> only on an exact miss; the vector comes back too
       lookup_similar(scope, vector, query) -> nearest entries in the scope, then:
-        score >= threshold and guards pass -> "hit"  (served)
+        score >= threshold and guards pass -> "hit"  (served; semantic.mode trust)
+                                              "hint" with reason "verify" (semantic.mode verify:
+                                              the model verifies the answer as a draft)
         score >= hint_threshold            -> "hint" (the answer becomes a speculative draft)
         else                               -> "miss"
 """
@@ -54,7 +56,7 @@ class ResponseCache:
         self.store = store if config.semantic.enabled else None
         self._clock = clock
         self.exact = ExactCache(config, clock=clock)
-        self.counts = {"exact_hits": 0, "semantic_hits": 0, "hints": 0, "misses": 0, "guard_refusals": 0, "writes": 0}
+        self.counts = {"exact_hits": 0, "semantic_hits": 0, "verifications": 0, "hints": 0, "misses": 0, "guard_refusals": 0, "writes": 0}
         self._writes_since_index = 0
 
     async def lookup(
@@ -102,6 +104,9 @@ class ResponseCache:
                 refusal = mismatch(cached_query, query)
                 if refusal:
                     self.counts["guard_refusals"] += 1
+            if refusal is None and self.semantic.mode == "verify":
+                self.counts["verifications"] += 1
+                return Lookup("hint", response, match.score, "verify", cached_query)
             if refusal is None:
                 self.counts["semantic_hits"] += 1
                 self.exact.touch(match.payload.get("key", ""))

@@ -22,7 +22,7 @@ from draft.proposers import Proposer
 from engines.base import Engine
 from engines.blocks import salt_root
 from engines.detokenizer import IncrementalDetokenizer
-from engines.sampling import make_generator, sample
+from engines.sampling import LogitsAdjuster, make_generator, sample
 from engines.types import GenerateChunk, GenerateRequest
 from target.adaptive import KChooser
 from target.verify import verify
@@ -53,6 +53,12 @@ class Generation:
         self.seq = engine.new_sequence(self.salt)
         self.detok = IncrementalDetokenizer(engine.tokenizer, self.params.stop)
         self.rng = make_generator(self.params)
+        # Penalties, logit_bias, min_tokens, ignore_eos: applied to every row the target chooses
+        # from, draft positions included, so speculation stays lossless under them.
+        self.adjust = (
+            LogitsAdjuster(self.params, request.prompt_token_ids, engine.eos_token_ids)
+            if self.params.adjusts_logits else None
+        )
         self.spec = speculation
         self.tokens: list[int] = list(request.prompt_token_ids)  # prompt + emitted tokens
         self.completion_tokens = 0
@@ -86,7 +92,7 @@ class Generation:
         start = time.perf_counter()
         logits = self.engine.prefill(self.seq, self.request.prompt_token_ids)
         reused = self.seq.reused  # read before _emit: finishing frees the sequence
-        chunk = self._emit([sample(logits, self.params, self.rng)])
+        chunk = self._emit([self._choose(logits)])
         chunk.timings_ms["prefill"] = (time.perf_counter() - start) * 1000
         if reused:
             chunk.timings_ms["prefix_reused_tokens"] = float(reused)
@@ -107,7 +113,7 @@ class Generation:
         logits = engine.decode_batch([g.seq for g in gens], [g._last for g in gens])
         chunks = []
         for row, gen in enumerate(gens):
-            chunks.append(gen._emit([sample(logits[row], gen.params, gen.rng)]))
+            chunks.append(gen._emit([gen._choose(logits[row])]))
             gen.rounds += 1
         return chunks
 
@@ -118,7 +124,11 @@ class Generation:
             if chunk is not None:
                 return chunk
         logits = self.engine.decode_step(self.seq, self._last)
-        return self._emit([sample(logits, self.params, self.rng)])
+        return self._emit([self._choose(logits)])
+
+    def _choose(self, logits) -> int:
+        """The next token from one position's logits, adjusted for this request."""
+        return sample(logits if self.adjust is None else self.adjust(logits), self.params, self.rng)
 
     def _speculative_round(self) -> GenerateChunk | None:
         """Draft, verify in one pass, roll back, emit. None when a plain step is the better bet."""
@@ -140,6 +150,8 @@ class Generation:
             return None
         base = self.seq.length
         logits = self.engine.score(self.seq, [self._last, *proposal.tokens])
+        if self.adjust is not None:  # row i: after i drafts, as the target alone would see it
+            logits = self.adjust(logits, proposal.tokens)
         verdict = verify(logits, proposal.tokens, proposal.probs, self.params, self.rng)
         # Keep `last` and the accepted drafts in the KV; the new target token is pending.
         self.engine.rollback(self.seq, base + 1 + len(verdict.accepted))
@@ -213,6 +225,8 @@ class Generation:
             self.completion_tokens += 1
             emitted += 1
             self.tokens.append(token)
+            if self.adjust is not None:
+                self.adjust.accept(token)
             self._last = token
             parts.append(self.detok.add(token))
             if self.detok.stopped:

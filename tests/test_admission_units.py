@@ -396,17 +396,18 @@ def test_ttft_predictions_are_scaled_by_how_late_first_tokens_really_came():
     probe = Ticket("m", "t", 0, 100, 10)
     assert gate._service_ms(probe, 1)[0] == pytest.approx(220.0)  # 200 ms x safety 1.1
     first_token_after(0.4)  # twice the unscaled prediction
-    assert gate.bias() == pytest.approx(2.0)
+    assert gate.bias("m") == pytest.approx(2.0)
+    assert gate.bias("other") == 1.0, "each model's own: another engine, other errors"
     assert gate._service_ms(probe, 1)[0] == pytest.approx(440.0)
     first_token_after(0.4)  # still 2x the unscaled 200 ms, though 440 ms were predicted
-    assert gate.bias() == pytest.approx(2.0)
+    assert gate.bias("m") == pytest.approx(2.0)
     for _ in range(30):
         first_token_after(0.15)  # faster than predicted: the bias falls to 0.75
-    assert gate.bias() == pytest.approx(0.75, abs=0.01)
+    assert gate.bias("m") == pytest.approx(0.75, abs=0.01)
     assert gate._service_ms(probe, 1)[0] == pytest.approx(165.0, abs=2.0)
     for _ in range(30):
         first_token_after(0.02)  # ten times faster: no lower than half
-    assert gate.ttft_bias.value < 0.5 and gate.bias() == 0.5
+    assert gate.ttft_bias["m"].value < 0.5 and gate.bias("m") == 0.5
 
 
 def test_a_first_token_needs_the_recent_tail_of_lateness_to_spare_not_just_the_mean():
@@ -435,7 +436,7 @@ def test_a_first_token_needs_the_recent_tail_of_lateness_to_spare_not_just_the_m
     assert gate.ttft_tail_ms() == 0.0 and gate.in_time(request())
     for i in range(20):
         first_token_after(1.1 if i % 5 == 0 else 0.56)  # one in five ~400 ms late
-    assert gate.bias() < 1.0, "the mean is still early"
+    assert gate.bias("m") < 1.0, "the mean is still early"
     assert 300 <= gate.ttft_tail_ms() <= 500
     assert not gate.in_time(request()) and gate.check(request()).reason == "deadline_unmeetable"
     assert gate.in_time(request(50))  # ~330 ms predicted: in time even ~400 ms late

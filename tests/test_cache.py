@@ -22,21 +22,25 @@ def _text(raw) -> str:
     return raw.parse().choices[0].message.content
 
 
-def test_paraphrase_is_a_semantic_hit_replayed_as_a_stream(service):
+def test_a_semantic_match_is_verified_and_an_exact_repeat_replayed_as_a_stream(service):
+    """The shipped `semantic.mode: verify`: a paraphrase is not served the cached answer as is;
+    the model checks it as a draft, so the text is the model's own."""
     client = service.openai(api_key="sk-tenant-para")
     before = service.model_stats("SemanticCache")
     streams_before = service.model_stats("TargetModel")["generate_by_channel"]
     first = _ask(client, "What is the capital of France?")
     assert first.headers["x-cache"] == "miss"
     para = _ask(client, "Which city is the capital of France?")
-    assert para.headers["x-cache"] == "hit", para.headers
-    assert para.headers["x-cache-match"].startswith("semantic;score=")
-    assert _text(para) == _text(first)
+    assert para.headers["x-cache"] == "verified", para.headers
+    assert para.headers["x-cache-match"].startswith("verify;score=")
+    assert "accepted=" in para.headers["x-cache-accepted"]
     timing = para.headers["server-timing"]
     assert "lookup.embed;dur=" in timing and "lookup.cache_semantic;dur=" in timing
-    # Streamed: the hit replays in several SSE chunks that join back to the answer.
+    plain = _ask(client, "Which city is the capital of France?", headers=NO_CACHE)
+    assert _text(para) == _text(plain)
+    # Streamed, an exact repeat replays in several SSE chunks that join back to the answer.
     stream = client.chat.completions.create(
-        model=TARGET, messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        model=TARGET, messages=[{"role": "user", "content": "What is the capital of France?"}],
         temperature=0, max_tokens=16, stream=True,
     )
     pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
@@ -48,6 +52,23 @@ def test_paraphrase_is_a_semantic_hit_replayed_as_a_stream(service):
     assert after["lookups_by_handle"] == before["lookups_by_handle"], after
     # So did the miss's model call (target.channel: the model runs one replica, on this node).
     assert service.model_stats("TargetModel")["generate_by_channel"] > streams_before
+
+
+def test_a_verified_hit_is_the_models_own_greedy_answer_whether_the_cached_one_is_right_or_not(service):
+    """A close paraphrase (its cached answer right) and an opposite question that scores as high
+    (its cached answer wrong: descending, not ascending): either way the text is token for token
+    what the model answers with no cache at all."""
+    client = service.openai(api_key="sk-tenant-verify")
+    cached = _ask(client, "How do I sort a list in ascending order in Python?", max_tokens=40)
+    assert cached.headers["x-cache"] == "miss"
+    for question in ("How can I sort a list in ascending order in Python?",
+                     "How do I sort a list in descending order in Python?"):
+        served = _ask(client, question, max_tokens=40)
+        assert served.headers["x-cache"] in ("verified", "hint"), served.headers
+        plain = _ask(client, question, max_tokens=40, headers=NO_CACHE)
+        assert _text(served) == _text(plain), (question, served.headers)
+    assert served.headers["x-cache"] == "verified", "the opposite question passed the guards: verification decides"
+    assert _text(served) != _text(cached), "the cached answer was the wrong one"
 
 
 def test_tenant_b_never_gets_tenant_a_answer(service):

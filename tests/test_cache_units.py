@@ -105,13 +105,18 @@ def _entry(key: str, tenant: str, scope: str, query: str, vector, text: str = "P
 
 @pytest.mark.parametrize("kind", ["edge", "qdrant"])
 def test_lookup_outcomes_scoping_and_invalidation(kind, embedder):
-    config = CacheConfig.model_validate({"max_entries": 3, "semantic": {"store": {"kind": kind}}})
+    config = CacheConfig.model_validate({"max_entries": 3, "semantic": {"mode": "trust", "store": {"kind": kind}}})
     cache = ResponseCache(config, make_store(config.semantic.store, embedder.dimensions))
     q1 = "What is the capital of France?"
     cache.put(_entry("a" * 64, "t1", "s1", q1, embedder.embed(q1)))
     para = "Which city is the capital of France?"
     found = cache.lookup_similar("s1", embedder.embed(para), para)
     assert found.outcome == "hit" and found.response.text == "Paris." and found.query == q1
+    # The default mode, verify, never serves it as is: the model checks it as a draft.
+    cache.semantic = CacheConfig().semantic
+    found = cache.lookup_similar("s1", embedder.embed(para), para)
+    assert found.outcome == "hint" and found.reason == "verify" and found.response.text == "Paris."
+    cache.semantic = config.semantic
     # Same question, other scope (tenant / context / model / sampling): never served.
     assert cache.lookup_similar("s2", embedder.embed(para), para).outcome == "miss"
     # A near miss that fails a guard becomes a draft hint, not a hit.
@@ -137,7 +142,7 @@ def test_lookup_outcomes_scoping_and_invalidation(kind, embedder):
 
 def test_expired_entries_are_never_served(embedder):
     now = [1000.0]
-    config = CacheConfig.model_validate({"ttl_s": 10})
+    config = CacheConfig.model_validate({"ttl_s": 10, "semantic": {"mode": "trust"}})
     cache = ResponseCache(config, make_store(config.semantic.store, embedder.dimensions), clock=lambda: now[0])
     q = "What is DNA?"
     cache.put(_entry("c" * 64, "t", "s", q, embedder.embed(q)))

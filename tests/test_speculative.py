@@ -80,6 +80,34 @@ def test_fixed_k_and_each_proposer_stay_lossless(spec_service, k):
         assert fast == plain and text == plain_text, f"{proposer.name} k={k}"
 
 
+@pytest.mark.parametrize("adjust", [
+    {"presence_penalty": 1.5}, {"frequency_penalty": 1.2}, {"repetition_penalty": 1.3},
+    {"logit_bias": "first"}, {"min_tokens": 24}, {"ignore_eos": True},
+])
+def test_penalties_biases_and_eos_controls_stay_lossless_under_speculation(spec_service, adjust):
+    """Each adjustment changes the greedy answer, and speculation (drafts at fixed k, the model
+    draft and n-grams) reproduces the changed answer token for token: verification judges each
+    draft position against the adjusted distribution, the drafts before it counted."""
+    tok = spec_service.engine.tokenizer
+    eos_controls = "min_tokens" in adjust or "ignore_eos" in adjust
+    question = "Is the sky blue? Answer yes or no." if eos_controls else "List the colors of the rainbow, one per line."
+    ids = _chat_ids(tok, [{"role": "user", "content": question}])
+    plain, _ = _decode(spec_service, ids, SamplingParams(max_tokens=40, temperature=0.0), None)
+    if adjust.get("logit_bias") == "first":  # push the plain answer's own first token away
+        adjust = {"logit_bias": ((plain[0], -100.0),)}
+    params = SamplingParams(max_tokens=40, temperature=0.0, **adjust)
+    alone, alone_text = _decode(spec_service, ids, params, None)
+    if eos_controls:
+        assert len(plain) < 24 <= len(alone), "the answer ended early alone and went on past min_tokens"
+    else:
+        assert alone != plain, f"{adjust} did not change the answer: the test would prove nothing"
+    for proposer in (ModelDraft(spec_service.draft_engine), NgramDraft()):
+        spec = Speculation([proposer], KChooser(spec_service.costs, fixed_k=4))
+        fast, text = _decode(spec_service, ids, params, spec)
+        assert fast == alone and text == alone_text, (adjust, proposer.name)
+        assert spec.chooser.proposed > 0
+
+
 def test_sampled_speculation_respects_limits(spec_service):
     tok = spec_service.engine.tokenizer
     ids = _chat_ids(tok, conversations()["chat"][0])
