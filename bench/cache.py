@@ -5,7 +5,11 @@ what near-miss drafts buy.
    configured threshold, the curve over thresholds (with and without guards), and a held-out
    check: the threshold picked on the `tune` half, scored on the `test` half.
 2. Latency over HTTP through the whole graph (httpx, non-streaming, loopback): a miss that
-   generates, an exact hit, a semantic hit (a paraphrase, first time asked).
+   generates, an exact hit, a semantic hit served as is (a paraphrase, first time asked;
+   `semantic.mode: trust`).
+2b. Verified hits (the shipped `semantic.mode: verify`), streamed at 64 tokens: TTFT and
+   end-to-end of a paraphrase whose cached answer the model checks as a draft, against the
+   original's miss, and whether any verified answer differs from the model's own.
 3. Store lookup p50/p99 at 10k and 100k entries (Qdrant edge, HNSW built; all entries in one
    scope, the worst case for the filter), next to qdrant-client's local mode at 10k.
 4. Near-miss drafts: the target (serve_config.yaml's speculation) answers paraphrases with the
@@ -125,8 +129,12 @@ def http_latency(requests: int, max_tokens: int) -> dict:
         resp.raise_for_status()
         return (time.perf_counter() - t) * 1000, resp
 
+    def trusting(args) -> None:  # what a semantic hit served as is costs (semantic.mode: trust)
+        without_rate_limits(args)
+        args.cache.semantic.mode = "trust"
+
     headers = {"authorization": "Bearer bench"}
-    with running_service_urls(serve_file, tweak=without_rate_limits) as urls, \
+    with running_service_urls(serve_file, tweak=trusting) as urls, \
             httpx.Client(base_url=urls.best, timeout=120, headers=headers) as direct, \
             httpx.Client(base_url=urls.proxy, timeout=120, headers=headers) as proxy:
         doors = {"direct": direct, "proxy": proxy} if urls.direct else {"proxy": proxy}
@@ -158,6 +166,67 @@ def http_latency(requests: int, max_tokens: int) -> dict:
             "headline_door": head,
             "paraphrase_outcomes": outcomes,
             "server_timing_p50_ms": {kind: {name: summary(v)["p50"] for name, v in by.items()} for kind, by in stages.items()}}
+
+
+def verified_hits(pairs_n: int, max_tokens: int) -> dict:
+    """The shipped `semantic.mode: verify` over HTTP, streamed: each original question is a miss
+    (its answer cached), then its paraphrase a verified hit (the model checks the cached answer
+    as a draft). TTFT and end-to-end of both, side by side, and how much of each draft the model
+    kept; every verified answer is compared with the paraphrase's own answer with no cache."""
+    import json
+
+    import httpx
+
+    from deployments.local import running_service, without_rate_limits
+
+    serve_file = load_serve_config()
+    model = serve_file.args.target.engine.model_id
+
+    def ask(client: httpx.Client, text: str, headers: dict | None = None) -> dict:
+        body = {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
+                "max_tokens": max_tokens, "stream": True}
+        start, first, parts = time.perf_counter(), None, []
+        with client.stream("POST", "/v1/chat/completions", json=body, headers=headers or {}) as resp:
+            resp.raise_for_status()
+            cache = resp.headers["x-cache"]
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                if delta:
+                    first = first or time.perf_counter()
+                    parts.append(delta)
+        end = time.perf_counter()
+        return {"cache": cache, "ttft_ms": ((first or end) - start) * 1000, "e2e_ms": (end - start) * 1000,
+                "text": "".join(parts)}
+
+    miss_ttft, miss_e2e, hit_ttft, hit_e2e, outcomes, wrong = [], [], [], [], {}, 0
+    with running_service(serve_file, tweak=without_rate_limits) as base, \
+            httpx.Client(base_url=base, timeout=120, headers={"authorization": "Bearer bench-verify"}) as client:
+        ask(client, "Warm up: say hi.")
+        for original, paraphrase in tqdm(PARAPHRASES[:pairs_n], desc="verified hits", unit="pair"):
+            first = ask(client, original)
+            if first["cache"] == "miss":
+                miss_ttft.append(first["ttft_ms"])
+                miss_e2e.append(first["e2e_ms"])
+            time.sleep(0.05)  # the write is fire-and-forget: let it land
+            served = ask(client, paraphrase)
+            outcomes[served["cache"]] = outcomes.get(served["cache"], 0) + 1
+            if served["cache"] == "verified":
+                hit_ttft.append(served["ttft_ms"])
+                hit_e2e.append(served["e2e_ms"])
+                alone = ask(client, paraphrase, {"Cache-Control": "no-cache, no-store"})
+                wrong += alone["text"] != served["text"]
+    m_e2e, h_e2e = summary(miss_e2e)["p50"], summary(hit_e2e)["p50"] if hit_e2e else None
+    m_ttft, h_ttft = summary(miss_ttft)["p50"], summary(hit_ttft)["p50"] if hit_ttft else None
+    return {
+        "max_tokens": max_tokens, "outcomes": outcomes,
+        "miss_ttft_ms": summary(miss_ttft), "miss_e2e_ms": summary(miss_e2e),
+        "verified_ttft_ms": summary(hit_ttft), "verified_e2e_ms": summary(hit_e2e),
+        "e2e_miss_over_verified_p50": round(m_e2e / h_e2e, 2) if h_e2e else None,
+        "ttft_verified_over_miss_p50": round(h_ttft / m_ttft, 2) if h_ttft else None,
+        "verified_answers_unlike_the_models_own": wrong,
+    }
 
 
 def near_miss_speedup(pairs_n: int, max_tokens: int) -> dict:
@@ -211,6 +280,7 @@ def run(requests: int = 40, max_tokens: int = 48, quick: bool = False) -> dict:
     sizes = (10_000,) if quick else (10_000, 100_000)
     store = store_latency(embedder.dimensions, sizes)
     http = http_latency(min(requests, 6) if quick else requests, max_tokens)
+    verified = verified_hits(min(requests, 6) if quick else requests, 64)
     near = near_miss_speedup(4 if quick else 12, 64 if quick else 96)
     big = store.get("edge_100000", {}).get("lookup_ms", {})
     return {
@@ -225,7 +295,11 @@ def run(requests: int = 40, max_tokens: int = 48, quick: bool = False) -> dict:
         "lookup_p99_ms_10k": store["edge_10000"]["lookup_ms"]["p99"],
         "lookup_p99_ms_100k": big.get("p99", float("nan")),
         "near_miss_draft_speedup": near["speedup"],
+        "verified_hit_e2e_speedup_over_miss_p50": verified["e2e_miss_over_verified_p50"],
+        "verified_hit_ttft_over_miss_p50": verified["ttft_verified_over_miss_p50"],
+        "verified_answers_unlike_the_models_own": verified["verified_answers_unlike_the_models_own"],
         "quality": q,
+        "verified": verified,
         "http": http,
         "store": store,
         "near_miss": near,

@@ -368,7 +368,11 @@ class AdmissionConfig(_Strict):
     )
     prior_itl_ms: float = Field(60.0, gt=0, description="decode ms/token assumed until measured")
     prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until measured")
-    safety: float = Field(1.1, ge=1.0, description="predicted times are multiplied by this before comparing")
+    safety: float = Field(
+        1.0, ge=1.0, description="predicted times are multiplied by this before comparing; 1: the prediction is "
+        "calibrated at the median (measured / predicted per model) and a first token's margin is the recent tail "
+        "of lateness (ttft_tail_quantile)",
+    )
     ttft_tail_quantile: float | None = Field(
         0.95, gt=0, lt=1, description="a first token must be predicted in time even as many ms late, against "
         "its prediction, as this quantile of the last 30 s of first tokens came (a TTFT target is a tail bound); "
@@ -412,6 +416,7 @@ class InputLimits(_Strict):
         400_000, ge=1, description="characters of message content (or of the prompt) in one request"
     )
     max_stop_chars: int = Field(256, ge=1, description="characters in one stop sequence")
+    max_embedding_inputs: int = Field(2048, ge=1, description="texts in one /v1/embeddings request")
 
 
 class IngressConfig(_Strict):

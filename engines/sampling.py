@@ -75,6 +75,8 @@ class LogitsAdjuster:
             bias = torch.tensor([b for t, b in p.logit_bias if 0 <= t < vocab], dtype=torch.float32)
             if len(ids):
                 x[:, ids] += bias
+        if p.penalized:  # a penalty that overflowed a logit must not make the row NaN
+            x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
         if self.eos_ids and (p.ignore_eos or self.generated < p.min_tokens):
             held = rows if p.ignore_eos else min(rows, p.min_tokens - self.generated)
             x[:held, self.eos_ids] = float("-inf")

@@ -30,6 +30,10 @@ def build_api(pipeline: Pipeline) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await pipeline.handle(request, "completion")
 
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request) -> Response:
+        return await pipeline.embeddings(request)
+
     @app.delete("/v1/cache")
     async def invalidate_cache(request: Request) -> Response:
         return await pipeline.invalidate(request)

@@ -50,6 +50,7 @@ from admission.request import RequestContext
 from configs.schemas import AppArgs
 from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest
 from host_tuning.lookup_window import LookupWindow
+from ingress import embeddings
 from ingress.auth import KeyRing
 from ingress.coalescing import Flights
 from ingress.context import context_from_headers
@@ -77,7 +78,11 @@ class ModelStream(Protocol):
 
 
 class Embedder(Protocol):
+    dimensions: int
+
     async def embed_async(self, text: str) -> Any: ...
+    async def embed_many_async(self, texts: list[str]) -> Any: ...
+    async def count_tokens_async(self, texts: list[str]) -> list[int]: ...
 
 
 class Backends(Protocol):
@@ -179,6 +184,7 @@ class Pipeline:
         self.args = args
         self.backends = backends
         self.embedder = embedder  # the classifier's, for requests that skip the cache (the lookup brings one)
+        self._embedder_loading: asyncio.Future[Embedder] | None = None  # /v1/embeddings, without a classifier
         self.flights = Flights()
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         # Host tuning: a model call started beside the lookup leaves the lookup a core.
@@ -309,6 +315,41 @@ class Pipeline:
         except Exception as exc:
             return APIError(503, f"the cache did not answer: {type(exc).__name__}", code="cache_unavailable").response()
         return JSONResponse({"object": "cache.invalidation", "tenant": tenant, "deleted": dropped})
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings on MiniLM (ingress/embeddings.py): the caller's key and tenant
+        rate limits as for a chat, the vectors made on the embedder's own thread."""
+        try:
+            if not self.ready:
+                await self._warm_up()
+            ctx = context_from_headers(request.headers, self.keys.identify(request.headers))
+            self.admission.precheck_tenant(ctx)
+            body = await self.preparer.read_json(request)
+            embedder = await self._api_embedder()
+            limits = self.args.ingress.limits
+            req, texts = embeddings.parse(body, limits.max_embedding_inputs, limits.max_prompt_chars, embedder.dimensions)
+            counts = await embedder.count_tokens_async(texts)
+            embeddings.check_lengths(counts)
+            self.admission.charge_tenant(ctx, sum(counts))
+            vectors = await embedder.embed_many_async(texts)
+            return JSONResponse(embeddings.response(vectors, req.encoding_format, sum(counts)))
+        except (APIError, AdmissionError) as raised:
+            return (from_admission(raised) if isinstance(raised, AdmissionError) else raised).response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+    async def _api_embedder(self) -> Embedder:
+        """The router's MiniLM where it runs here; else one loaded on the first embeddings call."""
+        if self.embedder is None:
+            if self._embedder_loading is None:
+                from semantic_cache.embedder import Embedder as Loaded
+
+                semantic = self.args.cache.semantic
+                self._embedder_loading = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
+                    None, lambda: Loaded(precision=semantic.embed_precision, runtime=semantic.embed_runtime)
+                ))
+            self.embedder = await asyncio.shield(self._embedder_loading)
+        return self.embedder
 
     async def _warm_up(self) -> None:
         """Before every stage answers: wait for it up to `ingress.warmup_wait_s`, then a 503

@@ -63,9 +63,14 @@ class _Sampling(_Request):
     # vLLM's extensions, as its OpenAI server takes them
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)  # vLLM: > 0; below 0.01 it overflows
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
+    # vLLM's structured-output fields: known, not implemented (400, never ignored)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -91,6 +96,8 @@ class _Sampling(_Request):
         bad = []
         if self.n not in (None, 1):
             bad.append("n")
+        bad += [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                if getattr(self, name) is not None]
         return bad
 
 
@@ -100,14 +107,25 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
         if self.logprobs:
             bad.append("logprobs")
+        if self.top_logprobs:
+            bad.append("top_logprobs")
         if self.tools:
             bad.append("tools")
+        if self.tool_choice not in (None, "none"):
+            bad.append("tool_choice")
+        if self.functions:
+            bad.append("functions")
+        if self.function_call not in (None, "none"):
+            bad.append("function_call")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             bad.append("response_format")
         return bad

@@ -176,6 +176,16 @@ class Embedder:
             texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
         ).astype(np.float32)
 
+    async def embed_many_async(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed_many, texts, batch_size)
+
+    async def count_tokens_async(self, texts: list[str]) -> list[int]:
+        """Word pieces per text, [CLS] and [SEP] included, untruncated."""
+        def count() -> list[int]:
+            return [len(ids) for ids in self.model.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, count)
+
     async def embed_async(self, text: str) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed, text)
 

@@ -394,7 +394,7 @@ def test_ttft_predictions_are_scaled_by_how_late_first_tokens_really_came():
         gate.release(t)
 
     probe = Ticket("m", "t", 0, 100, 10)
-    assert gate._service_ms(probe, 1)[0] == pytest.approx(220.0)  # 200 ms x safety 1.1
+    assert gate._service_ms(probe, 1)[0] == pytest.approx(220.0)  # 200 ms x safety 1.1 (this gate's)
     first_token_after(0.4)  # twice the unscaled prediction
     assert gate.bias("m") == pytest.approx(2.0)
     assert gate.bias("other") == 1.0, "each model's own: another engine, other errors"

@@ -101,11 +101,13 @@ def test_penalties_biases_and_eos_controls_stay_lossless_under_speculation(spec_
         assert len(plain) < 24 <= len(alone), "the answer ended early alone and went on past min_tokens"
     else:
         assert alone != plain, f"{adjust} did not change the answer: the test would prove nothing"
+    proposed = 0
     for proposer in (ModelDraft(spec_service.draft_engine), NgramDraft()):
         spec = Speculation([proposer], KChooser(spec_service.costs, fixed_k=4))
         fast, text = _decode(spec_service, ids, params, spec)
         assert fast == alone and text == alone_text, (adjust, proposer.name)
-        assert spec.chooser.proposed > 0
+        proposed += spec.chooser.proposed  # n-grams may find none to propose under a repetition penalty
+    assert proposed > 0, "nothing was drafted: the test would prove nothing"
 
 
 def test_sampled_speculation_respects_limits(spec_service):

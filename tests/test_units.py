@@ -662,9 +662,12 @@ def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
 
     hint = Lookup("hint", CachedResponse("fifteen percent is 45", "stop", 5, 4, target), 0.8)
     p = Prepared.__new__(Prepared)
-    p.cache_state = "miss"
+    p.cache_state, p.notes = "miss", {}
     assert pipeline._hint_ids(p, small, Builder(), hint) is None and p.cache_state == "miss"
     assert pipeline._hint_ids(p, target, Builder(), hint) == [7, 7, 2, 2] and p.cache_state == "hint"
+    verify = Lookup("hint", hint.response, 0.93, "verify")  # semantic.mode verify: a match checked as a draft
+    assert pipeline._hint_ids(p, target, Builder(), verify) and p.cache_state == "verified"
+    assert p.notes["x-cache-match"] == "verify;score=0.930"
 
 
 def test_cache_key_follows_the_server_default_budget(serve_file):

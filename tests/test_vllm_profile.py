@@ -51,9 +51,14 @@ def test_engine_args_and_sampling_map_one_to_one():
     drafted.engine.vllm.speculative = drafted.engine.vllm.speculative.model_copy(
         update={"method": "draft_model", "draft": stage.engine.source})
     assert engine_args(drafted)["speculative_config"] == {"num_speculative_tokens": 4, "model": args["model"]}
-    params = SamplingParams(max_tokens=7, temperature=0.3, top_p=0.9, stop=("\n\n",), seed=11)
+    params = SamplingParams(max_tokens=7, temperature=0.3, top_p=0.9, stop=("\n\n",), seed=11, presence_penalty=0.5,
+                            frequency_penalty=0.25, repetition_penalty=1.1, logit_bias=((42, -100.0),), top_k=20,
+                            min_p=0.05, min_tokens=3, ignore_eos=True)
     assert sampling_params(params) == {"n": 1, "max_tokens": 7, "temperature": 0.3, "top_p": 0.9,
-                                       "stop": ["\n\n"], "seed": 11}
+                                       "stop": ["\n\n"], "seed": 11, "presence_penalty": 0.5,
+                                       "frequency_penalty": 0.25, "repetition_penalty": 1.1, "logit_bias": {42: -100.0},
+                                       "top_k": 20, "min_p": 0.05, "min_tokens": 3, "ignore_eos": True}
+    assert sampling_params(SamplingParams(max_tokens=1))["top_k"] == -1  # ours 0, vLLM's -1: off
 
 
 def test_auto_dtype_on_a_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively():

@@ -1,0 +1,81 @@
+"""POST /v1/embeddings: all-MiniLM-L6-v2, the model the semantic cache and the router already
+run, in OpenAI's request and response shape (float or base64, one text or a batch, usage).
+
+MiniLM reads at most 256 word pieces; a longer input is a 400 naming it (as vLLM's server
+answers an input past its model's window), never silently cut. Token-id inputs are OpenAI
+tokenizer ids, which MiniLM does not read: a 400 that says to send text.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ingress.errors import APIError, bad_request
+
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+MAX_TOKENS = 256  # MiniLM's window, in its own word pieces, [CLS] and [SEP] included
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model: str = Field(..., min_length=1, max_length=256)
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+
+def parse(body: Any, max_inputs: int, max_chars: int, dimensions: int) -> tuple[EmbeddingRequest, list[str]]:
+    """The validated request and its texts; a 400 for anything MiniLM can't answer as asked."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        req = EmbeddingRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or None
+        raise bad_request(f"{where}: {first['msg']}" if where else first["msg"], where) from None
+    if req.model != EMBEDDING_MODEL:
+        raise APIError(404, f"model {req.model!r} does not exist; the embedding model is {EMBEDDING_MODEL!r}",
+                       param="model", code="model_not_found")
+    texts = [req.input] if isinstance(req.input, str) else req.input
+    if not texts:
+        raise bad_request("input: at least one text", "input")
+    if not all(isinstance(t, str) for t in texts):
+        raise bad_request(f"input: token ids are not supported ({EMBEDDING_MODEL} has its own tokenizer); send text",
+                          "input", "unsupported")
+    if len(texts) > max_inputs:
+        raise bad_request(f"input: {len(texts)} texts; this server takes at most {max_inputs} per request", "input")
+    if any(not t for t in texts):
+        raise bad_request("input: texts must be non-empty", "input")
+    if sum(len(t) for t in texts) > max_chars:
+        raise bad_request(f"input: at most {max_chars} characters per request", "input", "prompt_too_long")
+    if req.dimensions is not None and req.dimensions != dimensions:
+        raise bad_request(f"dimensions: {EMBEDDING_MODEL} gives {dimensions}-d vectors only", "dimensions", "unsupported")
+    return req, texts  # type: ignore[return-value]
+
+
+def check_lengths(counts: list[int]) -> None:
+    """A 400 for a text over MiniLM's window (word pieces, [CLS]/[SEP] included)."""
+    for i, n in enumerate(counts):
+        if n > MAX_TOKENS:
+            raise bad_request(f"input[{i}]: {n} tokens; {EMBEDDING_MODEL} reads at most {MAX_TOKENS}",
+                              "input", "context_length_exceeded")
+
+
+def response(vectors: np.ndarray, encoding: str, tokens: int) -> dict[str, Any]:
+    def encode(v: np.ndarray) -> list[float] | str:
+        if encoding == "base64":
+            return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+        return v.astype(np.float32).tolist()
+
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+        "model": EMBEDDING_MODEL,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
