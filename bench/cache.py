@@ -63,6 +63,11 @@ def quality(embedder, threshold: float) -> dict:
     tuned = next((th for th in THRESHOLDS if score(th, "tune")[0] >= 0.98), THRESHOLDS[-1])
     held_p, held_r = score(tuned, "test")
     precision, recall = score(threshold)
+    # The templated split, never tuned on: trust mode (threshold + guards) as shipped.
+    templated_p, templated_r = score(threshold, "held_out")
+    false_served = sum(
+        1 for i, p in enumerate(pairs) if p.label == "miss" and sims[i] >= threshold and guards_ok[i]
+    )
     return {
         "pairs": len(pairs),
         "paraphrase_pairs": labels.count("hit"),
@@ -70,6 +75,8 @@ def quality(embedder, threshold: float) -> dict:
         "precision": round(precision, 4),
         "recall": round(recall, 4),
         "heldout": {"tuned_threshold": tuned, "test_precision": round(held_p, 4), "test_recall": round(held_r, 4)},
+        "templated_held_out_trust": {"precision": round(templated_p, 4), "recall": round(templated_r, 4)},
+        "near_misses_served_in_trust_mode": false_served,
         "curve": curve,
     }
 

@@ -369,9 +369,9 @@ class AdmissionConfig(_Strict):
     prior_itl_ms: float = Field(60.0, gt=0, description="decode ms/token assumed until measured")
     prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until measured")
     safety: float = Field(
-        1.0, ge=1.0, description="predicted times are multiplied by this before comparing; 1: the prediction is "
-        "calibrated at the median (measured / predicted per model) and a first token's margin is the recent tail "
-        "of lateness (ttft_tail_quantile)",
+        1.1, ge=1.0, description="predicted decode times (the end-to-end part, which no feedback calibrates) are "
+        "multiplied by this; a first token's prediction is calibrated at the median per model, and its margin is "
+        "the recent tail of lateness (ttft_tail_quantile)",
     )
     ttft_tail_quantile: float | None = Field(
         0.95, gt=0, lt=1, description="a first token must be predicted in time even as many ms late, against "

@@ -38,6 +38,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; N: each token's log-probability and the N likeliest
 
     @property
     def greedy(self) -> bool:
@@ -82,3 +83,6 @@ class GenerateChunk:
     completion_tokens: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)  # engine-side stage times, first/last chunk
     replica: str = ""  # the model replica that made it (first chunk): x-model-replica, for debugging and bench
+    # With SamplingParams.logprobs: per token, (its text, its log-probability, [(text, logprob)
+    # of the likeliest tokens at that position]), from the distribution it was chosen from.
+    logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None

@@ -50,7 +50,7 @@ from admission.request import RequestContext
 from configs.schemas import AppArgs
 from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest
 from host_tuning.lookup_window import LookupWindow
-from ingress import embeddings
+from ingress import choices, embeddings
 from ingress.auth import KeyRing
 from ingress.coalescing import Flights
 from ingress.context import context_from_headers
@@ -249,7 +249,8 @@ class Pipeline:
             clock.stage("parse")
             if self.args.ingress.log_prompts:  # opt-in only: prompts are user data
                 log.info("request %s tenant=%s %s: %s", ctx.request_id, ctx.tenant, kind, json.dumps(body)[:4000])
-            response = await self._serve(prepared)
+            n = prepared.request.n or 1
+            response = await (self._serve(prepared) if n == 1 else choices.serve_choices(prepared, n, self._serve))
             return response
         except (APIError, AdmissionError) as raised:
             err = from_admission(raised) if isinstance(raised, AdmissionError) else raised
@@ -600,7 +601,7 @@ class Pipeline:
             headers["server-timing"] = clock.server_timing()
             body = full_response(
                 p.kind, _response_id(p), decision.model_id, text, last.finish_reason or "stop",
-                last.prompt_tokens, last.completion_tokens,
+                last.prompt_tokens, last.completion_tokens, p.logprobs,
             )
             return JSONResponse(body, headers=headers)
         if p.retried:
@@ -844,11 +845,14 @@ class Pipeline:
 
     async def _collect(self, first: GenerateChunk, stream: ModelStream, p: Prepared) -> tuple[str, GenerateChunk]:
         parts, chunk = [first.text], first
+        p.logprobs = list(first.logprobs) if first.logprobs is not None else None
         last_at = time.perf_counter()
         while chunk.finish_reason is None:
             chunk = await self._next(stream, p)
             last_at = self._token_gap(p, chunk, last_at)
             parts.append(chunk.text)
+            if p.logprobs is not None and chunk.logprobs:
+                p.logprobs.extend(chunk.logprobs)
         return "".join(parts), chunk
 
     def _token_gap(self, p: Prepared, chunk: GenerateChunk, last_at: float) -> float:
@@ -893,7 +897,7 @@ class Pipeline:
         failed = False
         last_at = first_at
         try:
-            yield writer.delta(chunk.text)
+            yield writer.delta(chunk.text, logprobs=chunk.logprobs)
             parts.append(chunk.text)
             while chunk.finish_reason is None:
                 try:
@@ -906,9 +910,9 @@ class Pipeline:
                 last_at = self._token_gap(p, chunk, last_at)
                 if chunk.finish_reason is not None:
                     break
-                if chunk.text:
+                if chunk.text or chunk.logprobs:
                     parts.append(chunk.text)
-                    yield writer.delta(chunk.text)
+                    yield writer.delta(chunk.text, logprobs=chunk.logprobs)
             # The model is done: its slot goes to the next request now, not after a slow reader
             # has taken the rest, and the complete answer is cached whether or not it is read.
             finished = True
@@ -917,8 +921,9 @@ class Pipeline:
             self._finished(p, chunk, first_at)
             permit.release()
             self._store(p, decision, "".join(parts), chunk)
-            if tail:
-                yield writer.delta(tail)
+            tail_logprobs = chunk.logprobs if chunk is not first else None
+            if tail or tail_logprobs:
+                yield writer.delta(tail, logprobs=tail_logprobs)
             yield writer.delta("", chunk.finish_reason)
             if p.include_usage:
                 yield writer.usage(chunk.prompt_tokens, chunk.completion_tokens)

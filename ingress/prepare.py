@@ -60,7 +60,8 @@ class Prepared:
     trace: RequestTrace | None = None  # its spans, when tracing is on and the trace is sampled
     model: str = ""  # the model that answers (after routing / downgrade; the cache's for a hit)
     route: str = ""  # why: RouteDecision.reason
-    cache_state: str = "none"  # hit / miss / hint / bypass
+    cache_state: str = "none"  # hit / verified / miss / hint / bypass
+    logprobs: list | None = None  # a non-streamed answer's token log-probabilities, when asked
     engine_queue_ms: float = 0.0  # the model replica's queue and prefill, from its first chunk
     decode_chunks: int = 0  # chunks with tokens after the first: the engine steps it took
     prefill_ms: float | None = None
@@ -82,6 +83,7 @@ class Preparer:
             args.draft.engine.model_id: args.draft.engine.max_model_len,
             args.router.auto_model_id: args.target.engine.max_model_len,
         }
+        self.vllm_models = {stage.engine.model_id for stage in (args.target, args.draft) if stage.engine.kind == "vllm"}
 
     async def read_json(self, request: Request) -> Any:
         limit = self.args.ingress.max_body_bytes
@@ -162,11 +164,21 @@ class Preparer:
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens or 0,
             ignore_eos=bool(req.ignore_eos),
+            logprobs=req.logprobs_asked,
         )
+        if kind == "chat" and req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if sampling.logprobs is not None and self.vllm_models:
+            raise bad_request(
+                f"logprobs are not served by this profile's vLLM engines ({', '.join(sorted(self.vllm_models))})",
+                "logprobs", "unsupported",
+            )
         cache_key = scope = query = None
         # Only greedy answers are reproducible, so only they are cached unless the client opts in.
         cache = self.args.cache
-        if cache.enabled and (sampling.greedy or (cache.sampled_opt_in and ctx.cache_sampled)):
+        # A cached answer has no log-probabilities: such a request always generates.
+        cacheable = sampling.greedy or (cache.sampled_opt_in and ctx.cache_sampled)
+        if cache.enabled and cacheable and sampling.logprobs is None:
             # The *requested* max_tokens: the same conversation always gets the same budget, and
             # the key is known before tokenizing, so a repeat never pays for the tokenizer.
             # Left to the server, the budget follows its configured default.

@@ -55,7 +55,7 @@ class _Sampling(_Request):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=16)  # choices: each one a generation of its own (ingress/choices.py)
     user: str | None = None
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -93,10 +93,7 @@ class _Sampling(_Request):
         return stops
 
     def unsupported(self) -> list[str]:
-        bad = []
-        if self.n not in (None, 1):
-            bad.append("n")
-        bad += [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        bad = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
                 if getattr(self, name) is not None]
         return bad
 
@@ -105,7 +102,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
@@ -114,10 +111,6 @@ class ChatCompletionRequest(_Sampling):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs:
-            bad.append("logprobs")
-        if self.top_logprobs:
-            bad.append("top_logprobs")
         if self.tools:
             bad.append("tools")
         if self.tool_choice not in (None, "none"):
@@ -134,11 +127,16 @@ class ChatCompletionRequest(_Sampling):
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def logprobs_asked(self) -> int | None:
+        """None: no log-probabilities; N: each token's and the N likeliest alternatives'."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -146,8 +144,6 @@ class CompletionRequest(_Sampling):
         bad = super().unsupported()
         if self.echo:
             bad.append("echo")
-        if self.logprobs is not None:
-            bad.append("logprobs")
         if self.suffix:
             bad.append("suffix")
         if self.best_of not in (None, 1):
@@ -157,6 +153,10 @@ class CompletionRequest(_Sampling):
     @property
     def output_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 # JSON can spell a UTF-16 surrogate as an escape; only there can a lone one come from.

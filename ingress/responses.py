@@ -17,14 +17,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+# (token text, log-probability, [(text, log-probability) of the likeliest at that position])
+TokenLogprob = tuple[str, float, list[tuple[str, float]]]
+
+
+def logprobs_block(kind: Kind, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's `logprobs` of a choice: chat's `content` list, or completions' parallel lists
+    (`text_offset` counted from `offset`, the characters already sent)."""
+    if entries is None:
+        return None
+    if kind == "chat":
+        return {"content": [
+            {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
+             "top_logprobs": [{"token": t, "logprob": l, "bytes": list(t.encode("utf-8"))} for t, l in top]}
+            for text, lp, top in entries
+        ]}
+    offsets = []
+    for text, _, _ in entries:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": [text for text, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [dict(top) for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
 def full_response(
-    kind: Kind, response_id: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+    kind: Kind, response_id: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": logprobs_block(kind, logprobs), "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs_block(kind, logprobs), "finish_reason": finish_reason}
         obj = "text_completion"
     return {
         "id": response_id,
@@ -45,6 +74,7 @@ class SSEWriter:
         self.model = model
         self.created = int(time.time())
         self._sent_role = False
+        self._chars = 0  # text sent so far: completions' text_offset
 
     def _frame(self, choices: list[dict[str, Any]], usage_block: dict[str, int] | None = None) -> bytes:
         obj: dict[str, Any] = {
@@ -58,7 +88,7 @@ class SSEWriter:
             obj["usage"] = usage_block
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
-    def delta(self, text: str, finish_reason: str | None = None) -> bytes:
+    def delta(self, text: str, finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None) -> bytes:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if not self._sent_role:
@@ -66,9 +96,12 @@ class SSEWriter:
                 self._sent_role = True
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs_block(self.kind, logprobs),
+                      "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs_block(self.kind, logprobs, self._chars),
+                      "finish_reason": finish_reason}
+        self._chars += len(text)
         return self._frame([choice])
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:

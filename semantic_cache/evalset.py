@@ -210,6 +210,66 @@ NEAR_MISSES: dict[str, list[tuple[str, str]]] = {
     ],
 }
 
+# Templated pairs over many domains: a question template, a slot filled with one of two words
+# that change the answer (antonyms, reversals, on/off, begin/end, quantifiers, time, units,
+# code identifiers), and paraphrase templates of the same question. Each (template, subject,
+# pair) gives one near miss; each paraphrase template one must-hit pair. They widen the set
+# the threshold is checked on well past what a word list was written against.
+_SUBJECTS = ["a list in Python", "an array in JavaScript", "rows in SQL", "a vector in C++", "a column in pandas",
+             "files in Linux", "a slice in Go", "an ArrayList in Java"]
+_ORDER_PAIRS = [("ascending", "descending"), ("increasing", "decreasing"), ("alphabetical", "reverse alphabetical")]
+_TOGGLE_SUBJECTS = ["dark mode in Chrome", "notifications on Android", "Bluetooth on Windows", "autocorrect on an iPhone",
+                    "two-factor authentication on GitHub", "the firewall on Ubuntu", "spell check in Word",
+                    "location services on a Mac"]
+_TOGGLE_PAIRS = [("turn on", "turn off"), ("enable", "disable"), ("activate", "deactivate"), ("show", "hide")]
+_BOUND_SUBJECTS = ["a loop in Python", "a transaction in Postgres", "a timer in JavaScript", "a recording in OBS",
+                   "a container in Docker", "a service in systemd", "a session in tmux", "a stream in Node.js"]
+_BOUND_PAIRS = [("start", "stop"), ("begin", "end"), ("open", "close"), ("pause", "resume")]
+_QUANT_SUBJECTS = ["vowels in a string", "duplicate rows in a table", "empty lines in a file", "odd numbers in a list",
+                   "null values in a column", "prime numbers below 100"]
+_QUANT_PAIRS = [("count all", "count none of the"), ("keep all", "remove all"), ("find the first", "find the last")]
+_UNIT_PAIRS = [("kilometers to miles", "miles to kilometers"), ("Celsius to Kelvin", "Kelvin to Celsius"),
+               ("pounds to kilograms", "kilograms to pounds"), ("inches to centimeters", "centimeters to inches"),
+               ("hours to seconds", "seconds to hours"), ("bytes to megabytes", "megabytes to bytes")]
+_TIME_PAIRS = [("before", "after"), ("yesterday", "tomorrow"), ("last week", "next week"), ("in the morning", "at night")]
+_TIME_SUBJECTS = ["take ibuprofen", "drink coffee", "go running", "water the plants", "eat a big meal", "study for an exam"]
+_CODE_PAIRS = [("append", "extend"), ("map", "filter"), ("push", "pop"), ("shallow copy", "deep copy"),
+               ("sort", "sorted"), ("== ", "is ")]
+
+
+def _templated() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    hits: list[tuple[str, str]] = []
+    misses: list[tuple[str, str]] = []
+    for subject in _SUBJECTS:
+        for a, b in _ORDER_PAIRS:
+            misses.append((f"How do I sort {subject} in {a} order?", f"How do I sort {subject} in {b} order?"))
+        hits.append((f"How do I sort {subject} in ascending order?", f"What's the way to sort {subject} in ascending order?"))
+    for subject in _TOGGLE_SUBJECTS:
+        for a, b in _TOGGLE_PAIRS:
+            misses.append((f"How do I {a} {subject}?", f"How do I {b} {subject}?"))
+        hits.append((f"How do I turn on {subject}?", f"How can I switch on {subject}?"))
+    for subject in _BOUND_SUBJECTS:
+        for a, b in _BOUND_PAIRS:
+            misses.append((f"How do I {a} {subject}?", f"How do I {b} {subject}?"))
+        hits.append((f"How do I start {subject}?", f"What's the way to start {subject}?"))
+    for subject in _QUANT_SUBJECTS:
+        for a, b in _QUANT_PAIRS:
+            misses.append((f"Write code to {a} {subject}.", f"Write code to {b} {subject}."))
+        hits.append((f"Write code to count all {subject}.", f"Write a program that counts all {subject}."))
+    for a, b in _UNIT_PAIRS:
+        misses.append((f"How do I convert {a}?", f"How do I convert {b}?"))
+        hits.append((f"How do I convert {a}?", f"What's the formula to convert {a}?"))
+    for subject in _TIME_SUBJECTS:
+        for a, b in _TIME_PAIRS:
+            misses.append((f"Is it good to {subject} {a}?", f"Is it good to {subject} {b}?"))
+        hits.append((f"Is it good to {subject} before bed?", f"Is it a good idea to {subject} before bed?"))
+    for a, b in _CODE_PAIRS:
+        misses.append((f"In Python, when should I use {a.strip()}?", f"In Python, when should I use {b.strip()}?"))
+    return hits, misses
+
+
+TEMPLATED_HITS, TEMPLATED_MISSES = _templated()
+
 Label = Literal["hit", "miss"]
 
 
@@ -218,8 +278,8 @@ class EvalPair:
     cached: str  # the question whose answer is in the cache
     query: str  # the incoming question
     label: Label  # "hit": the cached answer serves; "miss": it must not
-    kind: str  # paraphrase | negation | number | entity | opposite | topic
-    split: Literal["tune", "test"]
+    kind: str  # paraphrase | negation | number | entity | opposite | topic | templated_*
+    split: Literal["tune", "test", "held_out"]
 
 
 def _split(a: str, b: str) -> Literal["tune", "test"]:
@@ -229,7 +289,11 @@ def _split(a: str, b: str) -> Literal["tune", "test"]:
 
 
 def eval_pairs(split: str | None = None) -> list[EvalPair]:
+    """The hand-written pairs (split into `tune` and `test` halves), and the templated ones: a
+    `held_out` split that no threshold or guard is tuned on, only reported."""
     pairs = [EvalPair(a, b, "hit", "paraphrase", _split(a, b)) for a, b in PARAPHRASES]
     for kind, items in NEAR_MISSES.items():
         pairs += [EvalPair(a, b, "miss", kind, _split(a, b)) for a, b in items]
+    pairs += [EvalPair(a, b, "hit", "templated_paraphrase", "held_out") for a, b in TEMPLATED_HITS]
+    pairs += [EvalPair(a, b, "miss", "templated_near_miss", "held_out") for a, b in TEMPLATED_MISSES]
     return [p for p in pairs if split is None or p.split == split]

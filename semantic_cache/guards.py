@@ -4,6 +4,14 @@ MiniLM puts "is it safe to eat raw eggs?" and "is it not safe ..." at 0.99 cosin
 "15% of 200" next to "15% of 300". A cached answer is served only when both questions carry
 the same negation, the same numbers, the same named entities and no opposite verbs. A failed
 guard demotes the match to a draft hint, which verification keeps lossless.
+
+No word list knows every antonym ("ascending"/"descending", "pause"/"resume", "map"/"filter"),
+so one guard looks at the shape of the difference instead: two questions that are the same
+words except for one short local swap ("sort ... in ascending order" / "... in descending
+order") differ exactly where the meaning is. Such a minimal pair is refused unless what was
+swapped carries no content (function words, inflections, known aliases). A paraphrase that
+rewords the question around its content passes; a paraphrase that swaps just one content word
+for a synonym is refused too, and served through verification instead (`semantic.mode`).
 """
 
 from __future__ import annotations
@@ -144,6 +152,32 @@ def _singular(words: frozenset[str]) -> set[str]:
     return {_ALIASES.get(w, w) for w in out}
 
 
+_LOCAL_SWAP_TOKENS = 3  # a swap this short (per side), with everything around it the same, is a minimal pair
+
+
+def _content(words: list[str]) -> set[str]:
+    return _singular(frozenset(w for w in words if w not in _COMMON and len(w) > 1))
+
+
+def _minimal_pair(a: list[str], b: list[str]) -> bool:
+    """The same words except one short local swap (or insertion) of content words?"""
+    start = 0
+    while start < min(len(a), len(b)) and a[start] == b[start]:
+        start += 1
+    end = 0
+    while end < min(len(a), len(b)) - start and a[len(a) - 1 - end] == b[len(b) - 1 - end]:
+        end += 1
+    middle_a, middle_b = a[start:len(a) - end], b[start:len(b) - end]
+    if max(len(middle_a), len(middle_b)) > _LOCAL_SWAP_TOKENS or not (middle_a or middle_b):
+        return False
+    if any(_OPPOSITE_OF.get(w, set()) & set(middle_b) for w in middle_a):  # "on" / "off" beside another "on"
+        return True
+    swapped_a, swapped_b = _content(middle_a), _content(middle_b)
+    if not middle_a or not middle_b:  # a content word put in: "reverse alphabetical", "bow tie"
+        return bool(swapped_a or swapped_b)
+    return bool(swapped_a) and bool(swapped_b) and swapped_a != swapped_b  # one swapped for another
+
+
 def mismatch(cached: str, query: str) -> str | None:
     """Why `cached`'s answer must not serve `query`, or None if the guards pass."""
     a, b = facts(cached), facts(query)
@@ -168,4 +202,9 @@ def mismatch(cached: str, query: str) -> str | None:
     for word in diff_a:
         if _OPPOSITE_OF.get(word, set()) & diff_b:
             return "contrast"
+    tokens_a, tokens_b = [w.lower() for w in _WORD.findall(cached)], [w.lower() for w in _WORD.findall(query)]
+    if tokens_a != tokens_b and sorted(tokens_a) == sorted(tokens_b):  # "miles to kilometers" reversed
+        return "direction"
+    if _minimal_pair(tokens_a, tokens_b):
+        return "substitution"
     return None

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from draft.proposers import Proposer
 from engines.base import Engine
 from engines.blocks import salt_root
@@ -92,7 +94,8 @@ class Generation:
         start = time.perf_counter()
         logits = self.engine.prefill(self.seq, self.request.prompt_token_ids)
         reused = self.seq.reused  # read before _emit: finishing frees the sequence
-        chunk = self._emit([self._choose(logits)])
+        row = self._adjusted(logits)
+        chunk = self._emit([self._pick(row)], [row])
         chunk.timings_ms["prefill"] = (time.perf_counter() - start) * 1000
         if reused:
             chunk.timings_ms["prefix_reused_tokens"] = float(reused)
@@ -113,7 +116,8 @@ class Generation:
         logits = engine.decode_batch([g.seq for g in gens], [g._last for g in gens])
         chunks = []
         for row, gen in enumerate(gens):
-            chunks.append(gen._emit([gen._choose(logits[row])]))
+            adjusted = gen._adjusted(logits[row])
+            chunks.append(gen._emit([gen._pick(adjusted)], [adjusted]))
             gen.rounds += 1
         return chunks
 
@@ -123,12 +127,16 @@ class Generation:
             chunk = self._speculative_round()
             if chunk is not None:
                 return chunk
-        logits = self.engine.decode_step(self.seq, self._last)
-        return self._emit([self._choose(logits)])
+        row = self._adjusted(self.engine.decode_step(self.seq, self._last))
+        return self._emit([self._pick(row)], [row])
 
-    def _choose(self, logits) -> int:
-        """The next token from one position's logits, adjusted for this request."""
-        return sample(logits if self.adjust is None else self.adjust(logits), self.params, self.rng)
+    def _adjusted(self, logits, drafts=()):
+        """Logits as this request chooses from them (penalties, biases, EOS controls); rows
+        after draft positions count the drafts before them."""
+        return logits if self.adjust is None else self.adjust(logits, drafts)
+
+    def _pick(self, row) -> int:
+        return sample(row, self.params, self.rng)
 
     def _speculative_round(self) -> GenerateChunk | None:
         """Draft, verify in one pass, roll back, emit. None when a plain step is the better bet."""
@@ -150,8 +158,7 @@ class Generation:
             return None
         base = self.seq.length
         logits = self.engine.score(self.seq, [self._last, *proposal.tokens])
-        if self.adjust is not None:  # row i: after i drafts, as the target alone would see it
-            logits = self.adjust(logits, proposal.tokens)
+        logits = self._adjusted(logits, proposal.tokens)  # row i: after i drafts, as the target alone sees it
         verdict = verify(logits, proposal.tokens, proposal.probs, self.params, self.rng)
         # Keep `last` and the accepted drafts in the KV; the new target token is pending.
         self.engine.rollback(self.seq, base + 1 + len(verdict.accepted))
@@ -167,7 +174,8 @@ class Generation:
         counts = spec.by_source.setdefault(proposer.name, [0, 0])
         counts[0] += len(proposal.tokens)
         counts[1] += len(verdict.accepted)
-        return self._emit([*verdict.accepted, verdict.next_token])
+        emitted = [*verdict.accepted, verdict.next_token]
+        return self._emit(emitted, logits[: len(emitted)])
 
     def _choose_draft(self, cap: int):
         """The (drafter, state, k, proposal-or-None) with the best expected tokens per ms."""
@@ -215,27 +223,40 @@ class Generation:
 
     # ------------------------------------------------------------------ output
 
-    def _emit(self, tokens: list[int]) -> GenerateChunk:
-        """Emit tokens in order, stopping at EOS, a stop string or the length limit."""
+    def _emit(self, tokens: list[int], rows=None) -> GenerateChunk:
+        """Emit tokens in order, stopping at EOS, a stop string or the length limit. `rows`: the
+        logits each token was chosen from, for its log-probability when the request asks."""
         parts: list[str] = []
         emitted = 0
-        for token in tokens:
+        logprobs = [] if self.params.logprobs is not None and rows is not None else None
+        for i, token in enumerate(tokens):
             if token in self.engine.eos_token_ids:
-                return self._finish(parts, emitted, "stop")
+                return self._finish(parts, emitted, "stop", logprobs)
             self.completion_tokens += 1
             emitted += 1
             self.tokens.append(token)
             if self.adjust is not None:
                 self.adjust.accept(token)
+            if logprobs is not None:
+                logprobs.append(self._logprob(rows[i], token))
             self._last = token
             parts.append(self.detok.add(token))
             if self.detok.stopped:
-                return self._finish(parts, emitted, "stop")
+                return self._finish(parts, emitted, "stop", logprobs)
             if self.completion_tokens >= self.max_tokens:
-                return self._finish(parts, emitted, "length")
-        return GenerateChunk(text="".join(parts), num_tokens=emitted)
+                return self._finish(parts, emitted, "length", logprobs)
+        return GenerateChunk(text="".join(parts), num_tokens=emitted, logprobs=logprobs)
 
-    def _finish(self, parts: list[str], emitted: int, reason: str) -> GenerateChunk:
+    def _logprob(self, row, token: int) -> tuple[str, float, list[tuple[str, float]]]:
+        """(text, log-probability, the `logprobs` likeliest (text, log-probability)) at one position."""
+        logp = torch.log_softmax(row.float(), dim=-1)
+        top: list[tuple[str, float]] = []
+        if self.params.logprobs:
+            values, ids = torch.topk(logp, self.params.logprobs)
+            top = [(self.engine.tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids)]
+        return self.engine.tokenizer.decode([token]), float(logp[token]), top
+
+    def _finish(self, parts: list[str], emitted: int, reason: str, logprobs: list | None = None) -> GenerateChunk:
         self.finished = True
         self.engine.remember(self.seq, self.tokens)  # the KV holds self.tokens[:seq.length]
         self.engine.release(self.seq)
@@ -262,4 +283,5 @@ class Generation:
             prompt_tokens=len(self.request.prompt_token_ids),
             completion_tokens=self.completion_tokens,
             timings_ms=timings,
+            logprobs=logprobs,
         )

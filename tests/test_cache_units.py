@@ -163,6 +163,28 @@ def test_edge_store_keeps_answers_across_restarts(tmp_path, embedder):
     assert again.count() == 1 and again.search(embedder.embed(q), "s", 0.0, 1)[0].score > 0.99
 
 
+@pytest.mark.parametrize("cached, query", [
+    ("How do I sort a list in ascending order?", "How do I sort a list in descending order?"),
+    ("How do I pause a recording in OBS?", "How do I resume a recording in OBS?"),
+    ("How do I convert kilometers to miles?", "How do I convert miles to kilometers?"),
+    ("Sort names in alphabetical order.", "Sort names in reverse alphabetical order."),
+    ("How do I turn on notifications on Android?", "How do I turn off notifications on Android?"),
+    ("Is it good to drink coffee in the morning?", "Is it good to drink coffee at night?"),
+])
+def test_guards_refuse_a_one_word_swap_no_word_list_names(cached, query):
+    assert mismatch(cached, query) is not None
+
+
+@pytest.mark.parametrize("cached, query", [
+    ("How do I reverse a list in Python?", "What's the way to reverse a Python list?"),
+    ("What is the capital of France?", "Which city is the capital of France?"),
+    ("What causes rain?", "Why does it rain?"),
+    ("What is the square root of 144?", "What's the square root of 144?"),
+])
+def test_guards_pass_paraphrases_that_reword_around_the_content(cached, query):
+    assert mismatch(cached, query) is None
+
+
 def test_shipped_threshold_meets_the_bar_on_the_shipped_eval_set(embedder, serve_file):
     """Precision >= 0.97 at recall >= 0.7, with the threshold serve_config.yaml ships."""
     threshold = serve_file.args.cache.semantic.threshold

@@ -64,7 +64,7 @@ def test_absurd_sampling_values_are_400s_that_name_the_field(service, extra, par
 
 
 @pytest.mark.parametrize("extra", [
-    {"n": 2}, {"logprobs": True, "top_logprobs": 3}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"tools": [{"type": "function", "function": {"name": "f"}}]},
     {"tool_choice": "required"}, {"functions": [{"name": "f"}]}, {"function_call": "auto"},
     {"response_format": {"type": "json_object"}}, {"guided_json": {"type": "object"}}, {"guided_choice": ["a", "b"]},
 ])
@@ -73,6 +73,59 @@ def test_fields_not_implemented_are_400s_never_ignored(service, extra):
     resp = httpx.post(service.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "unsupported", resp.text
     assert resp.json()["error"]["param"] in extra, resp.text
+
+
+def test_logprobs_chat_and_completions_streamed_and_not(service):
+    """Each token's log-probability and the 5 likeliest, in OpenAI's chat and completions shapes;
+    greedy: the chosen token is the likeliest. Never from the cache (an answer there has none)."""
+    client = service.openai(api_key="sk-logprobs")
+    raw = _chat(client, headers={}, logprobs=True, top_logprobs=5)
+    assert raw.headers["x-cache"] == "bypass"
+    done = raw.parse()
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens > 0
+    assert "".join(t.token for t in content) == done.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 5 and t.top_logprobs[0].token == t.token
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4 and t.bytes == list(t.token.encode())
+    assert _chat(client).parse().choices[0].logprobs is None, "not asked: null"
+    stream = client.chat.completions.create(model=TARGET, messages=QUESTION, temperature=0, max_tokens=24,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    text = client.completions.create(model=TARGET, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                     logprobs=3)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == text.choices[0].text and all(len(top) == 3 for top in lp.top_logprobs)
+    pieces = client.completions.create(model=TARGET, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                       logprobs=3, stream=True)
+    offsets = [o for c in pieces if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
+def test_n_choices_streamed_and_not(service):
+    client = service.openai(api_key="sk-choices")
+    greedy = _chat(client, headers={}, n=3).parse()
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.message.content for c in greedy.choices}) == 1, "greedy: the same answer three times"
+    one = _chat(client).parse()
+    assert greedy.choices[0].message.content == one.choices[0].message.content
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens, "the prompt counted once"
+    sampled = _chat(client, n=3, temperature=1.0, seed=7, max_tokens=16).parse()
+    assert [c.index for c in sampled.choices] == [0, 1, 2] and len({c.message.content for c in sampled.choices}) > 1
+    again = _chat(client, n=3, temperature=1.0, seed=7, max_tokens=16).parse()
+    assert [c.message.content for c in again.choices] == [c.message.content for c in sampled.choices], "seeded"
+    stream = client.chat.completions.create(model=TARGET, messages=QUESTION, temperature=0, max_tokens=12, n=2,
+                                            stream=True, stream_options={"include_usage": True})
+    texts, usage = {0: "", 1: ""}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+        usage = chunk.usage or usage
+    assert texts[0] == texts[1] and texts[0]
+    assert usage.prompt_tokens == one.usage.prompt_tokens and usage.completion_tokens % 2 == 0 < usage.completion_tokens
 
 
 def test_the_cache_keeps_penalized_answers_apart(service):
