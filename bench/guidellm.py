@@ -79,6 +79,8 @@ def run(quick: bool = False, **_: object) -> dict:
         if proc.returncode != 0 or not report_path.exists():
             raise SystemExit(f"guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         report = json.loads(report_path.read_text())
+    for bench in report.get("benchmarks", []):  # per-request records (prompts included): counts only
+        bench["requests"] = {k: len(v) if isinstance(v, list) else v for k, v in (bench.get("requests") or {}).items()}
     REPORT.write_text(json.dumps(report, indent=1))
     levels = _levels(report)
     return {

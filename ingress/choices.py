@@ -7,7 +7,8 @@ cache. The model replica's prefix cache shares the prompt's KV between them wher
 has one. Non-streamed, the n answers are joined into one body (usage: the prompt once, the
 completions summed); streamed, their SSE frames are interleaved as they come, each choice's
 `index` set, with one usage frame and one `[DONE]` at the end. The first choice that fails
-fails the request and stops the others.
+fails the request and stops the others. Non-streamed choices take turns for this ingress's
+admission slots; a stream needs them all at once (a 400 past the slots).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ingress.errors import bad_request
 from ingress.prepare import Prepared
 from ingress.responses import usage
 from telemetry.clock import StageClock
@@ -42,10 +44,26 @@ def clones(p: Prepared, n: int) -> list[Prepared]:
     return out
 
 
-async def serve_choices(p: Prepared, n: int, serve: Callable[[Prepared], Awaitable[Response]]) -> Response:
-    """Serve `p` as n choices with `serve` (the pipeline's spine)."""
+async def serve_choices(p: Prepared, n: int, serve: Callable[[Prepared], Awaitable[Response]], at_once: int) -> Response:
+    """Serve `p` as n choices with `serve` (the pipeline's spine), at most `at_once` generating
+    at a time (this ingress's admission slots: more would only fill its queue). A stream needs
+    all its choices running together, so it may ask for no more than that."""
+    at_once = max(1, at_once)
+    if p.stream and n > at_once:
+        raise bad_request(
+            f"n: a stream of {n} choices needs {n} generations at once and this service runs {at_once}; "
+            f"ask for fewer, or for stream: false (its choices then take turns)", "n",
+        )
+    slots = asyncio.Semaphore(at_once)
+
+    async def one(copy: Prepared) -> Response:
+        if p.stream:
+            return await serve(copy)
+        async with slots:
+            return await serve(copy)
+
     copies = clones(p, n)
-    tasks = [asyncio.ensure_future(serve(c)) for c in copies]
+    tasks = [asyncio.ensure_future(one(c)) for c in copies]
     try:
         responses = list(await asyncio.gather(*tasks))
     except BaseException:

@@ -250,7 +250,9 @@ class Pipeline:
             if self.args.ingress.log_prompts:  # opt-in only: prompts are user data
                 log.info("request %s tenant=%s %s: %s", ctx.request_id, ctx.tenant, kind, json.dumps(body)[:4000])
             n = prepared.request.n or 1
-            response = await (self._serve(prepared) if n == 1 else choices.serve_choices(prepared, n, self._serve))
+            response = await (self._serve(prepared) if n == 1 else choices.serve_choices(
+                prepared, n, self._serve, self.admission.gate.max_inflight
+            ))
             return response
         except (APIError, AdmissionError) as raised:
             err = from_admission(raised) if isinstance(raised, AdmissionError) else raised

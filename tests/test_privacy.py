@@ -110,7 +110,7 @@ def test_service_logs_and_health_never_hold_keys_prompts_or_answers(service):
     bad = service.http.post(
         "/v1/chat/completions",
         headers={"authorization": f"Bearer {CANARY_KEY}"},
-        json={"model": TARGET, "messages": [{"role": "user", "content": CANARY_PROMPT}], "n": 3},
+        json={"model": TARGET, "messages": [{"role": "user", "content": CANARY_PROMPT}], "n": 17},
     )
     assert bad.status_code == 400
 
