@@ -13,10 +13,11 @@ from schemathesis import GenerationMode
 
 EXAMPLES_PER_OPERATION = 25  # x 2 modes x every operation: ~1 minute on a 2-core box
 MAX_FUZZ_TOKENS = 4  # generation length is not what is fuzzed here; keep each example short
+MAX_FUZZ_CHOICES = 2  # nor how many choices one request generates
 
 
 def _short(case) -> None:
-    """Cap generated output budgets, so an example costs a few decode steps, and lift deadlines
+    """Cap generated output budgets (tokens, choices), so an example costs a few decode steps, and lift deadlines
     that are met by a 504 by design (tests/test_serving.py checks those on purpose)."""
     headers = case.headers or {}
     try:
@@ -27,10 +28,15 @@ def _short(case) -> None:
     if isinstance(case.body, dict):
         for key in ("max_tokens", "max_completion_tokens"):
             value = case.body.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_FUZZ_TOKENS:
+            if key in case.body and value is None or (
+                isinstance(value, int) and not isinstance(value, bool) and value > MAX_FUZZ_TOKENS
+            ):
                 case.body[key] = MAX_FUZZ_TOKENS
         if "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
             case.body["max_tokens"] = MAX_FUZZ_TOKENS
+        n = case.body.get("n")
+        if isinstance(n, int) and not isinstance(n, bool) and MAX_FUZZ_CHOICES < n <= 16:  # over 16: its 400 is fuzzed
+            case.body["n"] = MAX_FUZZ_CHOICES
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])
