@@ -112,21 +112,26 @@ def running_service_urls(
         urls = ServiceURLs(f"http://127.0.0.1:{port}", direct)
         deadline = time.monotonic() + startup_timeout_s
         for base in filter(None, (urls.proxy, urls.direct)):
-            while True:
-                try:
-                    if httpx.get(base + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"service did not become healthy at {base} in {startup_timeout_s:.0f} s")
-                time.sleep(0.5)
+            _wait_healthy(base, deadline, "service")
         yield urls
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def _wait_healthy(base: str, deadline: float, what: str) -> None:
+    """Poll `base`/health until it answers 200, or raise at `deadline` (time.monotonic())."""
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become healthy at {base}")
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -145,16 +150,7 @@ def another_app(
     serve.run(build_graph(args, options, quiet_logging(serve_file)), name=name, route_prefix=f"/{name}")
     direct = args.ingress.direct_port
     base = f"http://127.0.0.1:{direct}" if direct is not None else f"{proxy_url}/{name}"
-    deadline = time.monotonic() + startup_timeout_s
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"app {name} did not become healthy at {base} in {startup_timeout_s:.0f} s")
-        time.sleep(1)
+    _wait_healthy(base, time.monotonic() + startup_timeout_s, f"app {name}")
     try:
         yield base
     finally:

@@ -342,17 +342,18 @@ class Pipeline:
             return Response(status_code=499)
 
     async def _api_embedder(self) -> Embedder:
-        """The router's MiniLM where it runs here; else one loaded on the first embeddings call."""
-        if self.embedder is None:
-            if self._embedder_loading is None:
-                from semantic_cache.embedder import Embedder as Loaded
+        """The router's MiniLM where it runs here; else one loaded on the first embeddings call
+        (kept apart from the router's slot: loading it must not change how requests route)."""
+        if self.embedder is not None:
+            return self.embedder
+        if self._embedder_loading is None:
+            from semantic_cache.embedder import Embedder as Loaded
 
-                semantic = self.args.cache.semantic
-                self._embedder_loading = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
-                    None, lambda: Loaded(precision=semantic.embed_precision, runtime=semantic.embed_runtime)
-                ))
-            self.embedder = await asyncio.shield(self._embedder_loading)
-        return self.embedder
+            semantic = self.args.cache.semantic
+            self._embedder_loading = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
+                None, lambda: Loaded(precision=semantic.embed_precision, runtime=semantic.embed_runtime)
+            ))
+        return await asyncio.shield(self._embedder_loading)
 
     async def _warm_up(self) -> None:
         """Before every stage answers: wait for it up to `ingress.warmup_wait_s`, then a 503

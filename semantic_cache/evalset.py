@@ -237,34 +237,30 @@ _CODE_PAIRS = [("append", "extend"), ("map", "filter"), ("push", "pop"), ("shall
                ("sort", "sorted"), ("== ", "is ")]
 
 
+# (subjects, word pairs, the question with {s} and {w}, the paraphrase pair for each subject)
+_FAMILIES = [
+    (_SUBJECTS, _ORDER_PAIRS, "How do I sort {s} in {w} order?",
+     ("How do I sort {s} in ascending order?", "What's the way to sort {s} in ascending order?")),
+    (_TOGGLE_SUBJECTS, _TOGGLE_PAIRS, "How do I {w} {s}?", ("How do I turn on {s}?", "How can I switch on {s}?")),
+    (_BOUND_SUBJECTS, _BOUND_PAIRS, "How do I {w} {s}?", ("How do I start {s}?", "What's the way to start {s}?")),
+    (_QUANT_SUBJECTS, _QUANT_PAIRS, "Write code to {w} {s}.",
+     ("Write code to count all {s}.", "Write a program that counts all {s}.")),
+    (_TIME_SUBJECTS, _TIME_PAIRS, "Is it good to {s} {w}?",
+     ("Is it good to {s} before bed?", "Is it a good idea to {s} before bed?")),
+    ([a for a, _ in _UNIT_PAIRS], [], "", ("How do I convert {s}?", "What's the formula to convert {s}?")),
+    ([""], _UNIT_PAIRS, "How do I convert {w}?", None),
+    ([""], [(a.strip(), b.strip()) for a, b in _CODE_PAIRS], "In Python, when should I use {w}?", None),
+]
+
+
 def _templated() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     hits: list[tuple[str, str]] = []
     misses: list[tuple[str, str]] = []
-    for subject in _SUBJECTS:
-        for a, b in _ORDER_PAIRS:
-            misses.append((f"How do I sort {subject} in {a} order?", f"How do I sort {subject} in {b} order?"))
-        hits.append((f"How do I sort {subject} in ascending order?", f"What's the way to sort {subject} in ascending order?"))
-    for subject in _TOGGLE_SUBJECTS:
-        for a, b in _TOGGLE_PAIRS:
-            misses.append((f"How do I {a} {subject}?", f"How do I {b} {subject}?"))
-        hits.append((f"How do I turn on {subject}?", f"How can I switch on {subject}?"))
-    for subject in _BOUND_SUBJECTS:
-        for a, b in _BOUND_PAIRS:
-            misses.append((f"How do I {a} {subject}?", f"How do I {b} {subject}?"))
-        hits.append((f"How do I start {subject}?", f"What's the way to start {subject}?"))
-    for subject in _QUANT_SUBJECTS:
-        for a, b in _QUANT_PAIRS:
-            misses.append((f"Write code to {a} {subject}.", f"Write code to {b} {subject}."))
-        hits.append((f"Write code to count all {subject}.", f"Write a program that counts all {subject}."))
-    for a, b in _UNIT_PAIRS:
-        misses.append((f"How do I convert {a}?", f"How do I convert {b}?"))
-        hits.append((f"How do I convert {a}?", f"What's the formula to convert {a}?"))
-    for subject in _TIME_SUBJECTS:
-        for a, b in _TIME_PAIRS:
-            misses.append((f"Is it good to {subject} {a}?", f"Is it good to {subject} {b}?"))
-        hits.append((f"Is it good to {subject} before bed?", f"Is it a good idea to {subject} before bed?"))
-    for a, b in _CODE_PAIRS:
-        misses.append((f"In Python, when should I use {a.strip()}?", f"In Python, when should I use {b.strip()}?"))
+    for subjects, pairs, question, paraphrase in _FAMILIES:
+        for s in subjects:
+            misses += [(question.format(s=s, w=a), question.format(s=s, w=b)) for a, b in pairs]
+            if paraphrase is not None:
+                hits.append((paraphrase[0].format(s=s), paraphrase[1].format(s=s)))
     return hits, misses
 
 
