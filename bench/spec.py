@@ -7,6 +7,8 @@ One process, one run, the same fp32 target for everything:
 - HF assisted: `model.generate` with prompt lookup and with an int8 copy of the target as the
   assistant; per workload the faster of the two counts.
 Greedy decoding throughout, so `lossless` compares token ids with target-alone on every prompt.
+`json_schema`: target alone vs ours with a JSON-schema grammar on (structured outputs), and
+the grammar's mask cost per row.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from engines.types import GenerateRequest, SamplingParams
 CANDIDATES = ("ngram", "draft_model", "ngram+draft_model")
 
 
-def _decode(service, ids: list[int], max_tokens: int, speculate: bool, spec_config=None) -> dict:
+def _decode(service, ids: list[int], max_tokens: int, speculate: bool, spec_config=None, structured=None) -> dict:
     from target.decoding import Generation, Speculation
     from target.adaptive import KChooser
 
@@ -38,7 +40,7 @@ def _decode(service, ids: list[int], max_tokens: int, speculate: bool, spec_conf
             speculation = Speculation(proposers, KChooser(costs))
     if service.draft_engine is not None and hasattr(service.draft_engine, "forget_prefixes"):
         service.draft_engine.forget_prefixes()  # every run starts with a cold draft cache
-    request = GenerateRequest("bench", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    request = GenerateRequest("bench", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured))
     start = time.perf_counter()
     gen = Generation(service.engine, request, speculation)
     chunks, stamps = [gen.prefill()], [time.perf_counter()]
@@ -57,6 +59,8 @@ def _decode(service, ids: list[int], max_tokens: int, speculate: bool, spec_conf
         "itl_ms": itl,
         "proposed": int(last.timings_ms.get("spec_proposed", 0)),
         "accepted": int(last.timings_ms.get("spec_accepted", 0)),
+        "mask_ms": last.timings_ms.get("grammar_mask", 0.0),
+        "mask_rows": int(last.timings_ms.get("grammar_rows", 0)),
     }
 
 
@@ -133,6 +137,64 @@ def _measure(service, workloads: dict, candidates: dict, max_tokens: int) -> tup
     return results, lossless
 
 
+# A structured-output workload: each answer must match this schema (response_format json_schema).
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "steps": {"type": "array", "items": {"type": "string"}},
+        "difficulty": {"type": "string", "enum": ["easy", "medium", "hard"]},
+        "minutes": {"type": "integer"},
+    },
+    "required": ["title", "steps", "difficulty", "minutes"],
+    "additionalProperties": False,
+}
+JSON_PROMPTS = (
+    "Give a recipe for pancakes as JSON: title, steps, difficulty and minutes.",
+    "Describe how to change a bicycle tire as JSON: title, steps, difficulty and minutes.",
+    "Explain how to set up a Python virtual environment as JSON: title, steps, difficulty and minutes.",
+)
+
+
+def _grammar_workload(service, builder, max_tokens: int) -> dict:
+    """Target alone vs the shipped speculation, both under the JSON-schema grammar: the speedup
+    the grammar leaves, whether the output stays identical, and the mask's cost per token."""
+    import json
+
+    from engines.types import StructuredOutput
+    from ingress.protocol import ChatMessage
+
+    structured = StructuredOutput("json_schema", json.dumps(JSON_SCHEMA))
+    runs: dict[str, list[dict]] = {"target": [], "ours": []}
+    lossless, valid = True, 0
+    for text in tqdm(JSON_PROMPTS, desc="spec: JSON-schema workload", unit="prompt"):
+        ids = builder.chat([ChatMessage(role="user", content=text)])
+        base = service.executor.submit(_decode, service, ids, max_tokens, False, None, structured).result()
+        ours = service.executor.submit(_decode, service, ids, max_tokens, True, None, structured).result()
+        lossless &= ours["tokens"] == base["tokens"]
+        runs["target"].append(base)
+        runs["ours"].append(ours)
+        try:
+            json.loads(service.engine.tokenizer.decode([t for t in base["tokens"] if t not in service.engine.eos_token_ids]))
+            valid += 1
+        except ValueError:
+            pass  # cut at max_tokens
+    rows = sum(r["mask_rows"] for r in runs["ours"] + runs["target"])
+    mask_ms = sum(r["mask_ms"] for r in runs["ours"] + runs["target"])
+    proposed = sum(r["proposed"] for r in runs["ours"])
+    return {
+        "lossless": lossless,
+        "complete_json": f"{valid}/{len(JSON_PROMPTS)}",
+        "speedup_vs_target": round(_rate(runs["ours"]) / _rate(runs["target"]), 3),
+        "e2e_speedup_vs_target": round(_e2e_rate(runs["ours"]) / _e2e_rate(runs["target"]), 3),
+        "tokens_per_s": {"target": round(_rate(runs["target"]), 2), "ours": round(_rate(runs["ours"]), 2)},
+        "acceptance_rate": round(sum(r["accepted"] for r in runs["ours"]) / proposed, 3) if proposed else 0.0,
+        "mask_ms_per_row": round(mask_ms / rows, 3) if rows else None,
+        "itl_ms": {"target": summary([x for r in runs["target"] for x in r["itl_ms"]]),
+                   "ours": summary([x for r in runs["ours"] for x in r["itl_ms"]])},
+    }
+
+
 def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
     from target.service import ModelService
     from ingress.prompts import PromptBuilder
@@ -190,14 +252,16 @@ def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
         return out
 
     workloads_out = {name: block(runs) for name, runs in results.items()}
+    grammar = _grammar_workload(service, builder, max_tokens)
     mixed_runs: dict[str, list[dict]] = {}
     for runs in results.values():
         for key, value in runs.items():
             mixed_runs.setdefault(key, []).extend(value)
     return {
-        "lossless": lossless,
+        "lossless": lossless and grammar["lossless"],
         "mixed": block(mixed_runs),
         "workloads": workloads_out,
+        "json_schema": grammar,
         "config": {
             "prompts_per_workload": requests,
             "max_tokens": max_tokens,

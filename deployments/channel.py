@@ -50,6 +50,7 @@ _NONCE = 32
 # The classes a frame may hold besides plain data: the calls' arguments and answers.
 _ALLOWED = {
     ("engines.types", "GenerateRequest"), ("engines.types", "SamplingParams"), ("engines.types", "GenerateChunk"),
+    ("engines.types", "StructuredOutput"),
     ("semantic_cache.cache", "CacheEntry"), ("semantic_cache.cache", "Lookup"),
     ("semantic_cache.exact", "CachedResponse"), ("host_tuning.lookup_window", "LookupOverlap"),
     ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),

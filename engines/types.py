@@ -13,11 +13,21 @@ if TYPE_CHECKING:
     from host_tuning.lookup_window import LookupOverlap
 
 FinishReason = Literal["stop", "length", "abort"]
+GrammarKind = Literal["json", "json_schema", "regex", "choice", "structural_tag"]
 
 # Counts a prompt's first chunk carries beside its engine_queue ms (engines/worker_clock.py):
 # the worker's jobs that ran while it queued, and the longest one (ms, sequences, CPU per second).
 ENGINE_QUEUE_COUNTS = ("engine_queue_jobs", "engine_queue_longest_ms", "engine_queue_longest_seqs",
                        "engine_queue_longest_cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What the output must match (engines/grammar.py). `spec`: a JSON schema, a regex, a JSON
+    list of choices, or an xgrammar structural tag (JSON); empty for any JSON object."""
+
+    kind: GrammarKind
+    spec: str = ""
 
 
 @dataclass(slots=True)
@@ -39,6 +49,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N: each token's log-probability and the N likeliest
+    structured: StructuredOutput | None = None  # a grammar every chosen token must keep to
 
     @property
     def greedy(self) -> bool:

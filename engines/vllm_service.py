@@ -9,7 +9,9 @@ model deployments stream to the ingress. The graph, the ingress, admission, the 
 router are unchanged.
 
 Per request, mapped one to one: max_tokens, temperature, top_p, top_k, min_p, stop strings,
-seed, the penalties, logit_bias, min_tokens and ignore_eos. The ingress
+seed, the penalties, logit_bias, min_tokens, ignore_eos and the structured output (a JSON
+schema, any JSON, a regex, a choice, or the tool-call structural tag) as vLLM's
+`StructuredOutputsParams`. The ingress
 has already applied the chat template and tokenized the prompt, so vLLM gets token ids and the
 prompt token count in `usage` is the ingress's. Cancelling the consumer (the client went away)
 aborts the request inside vLLM, freeing its KV blocks. Semantic-cache near-miss drafts
@@ -19,6 +21,7 @@ ignored here.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -105,7 +108,28 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
         "min_p": params.min_p,
         "min_tokens": params.min_tokens,
         "ignore_eos": params.ignore_eos,
+        **structured_outputs(params),
     }
+
+
+def structured_outputs(params: SamplingParams) -> dict[str, Any]:
+    """Our grammar as vLLM's own structured-output parameters (xgrammar there too)."""
+    s = params.structured
+    if s is None:
+        return {}
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if s.kind == "json":
+        spec = StructuredOutputsParams(json_object=True)
+    elif s.kind == "json_schema":
+        spec = StructuredOutputsParams(json=json.loads(s.spec))
+    elif s.kind == "regex":
+        spec = StructuredOutputsParams(regex=s.spec)
+    elif s.kind == "choice":
+        spec = StructuredOutputsParams(choice=json.loads(s.spec))
+    else:
+        spec = StructuredOutputsParams(structural_tag=s.spec)
+    return {"structured_outputs": spec}
 
 
 class VLLMEngineInfo:

@@ -79,7 +79,7 @@ def build_api(pipeline: Pipeline) -> FastAPI:
             describe(exc, with_message=pipeline.args.ingress.log_prompts),
             "".join(traceback.format_tb(exc.__traceback__)),
         )
-        return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+        return APIError(500, f"internal error: {type(exc).__name__}", code="server_error").response()
 
     app.openapi = lambda: _openapi_schema(app, pipeline)  # type: ignore[method-assign]
     return app

@@ -18,9 +18,9 @@ _TYPES = {
     408: "timeout",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
-    500: "internal_error",
-    503: "service_unavailable",
-    504: "timeout",
+    500: "server_error",
+    503: "server_error",
+    504: "server_error",
 }
 
 
@@ -46,7 +46,7 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         error = {
             "message": self.message,
-            "type": _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_error"),
+            "type": _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error"),
             "param": self.param,
             "code": self.code,
         }

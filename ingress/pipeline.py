@@ -604,7 +604,7 @@ class Pipeline:
             headers["server-timing"] = clock.server_timing()
             body = full_response(
                 p.kind, _response_id(p), decision.model_id, text, last.finish_reason or "stop",
-                last.prompt_tokens, last.completion_tokens, p.logprobs,
+                last.prompt_tokens, last.completion_tokens, p.logprobs, tools=p.tools is not None,
             )
             return JSONResponse(body, headers=headers)
         if p.retried:
@@ -893,7 +893,7 @@ class Pipeline:
         self, p: Prepared, decision: RouteDecision, first: GenerateChunk, stream: ModelStream, permit: Permit,
         first_at: float,
     ) -> AsyncIterator[bytes]:
-        writer = SSEWriter(p.kind, _response_id(p), decision.model_id)
+        writer = SSEWriter(p.kind, _response_id(p), decision.model_id, tools=p.tools is not None)
         parts: list[str] = []
         chunk = first
         finished = False
@@ -952,12 +952,13 @@ class Pipeline:
         headers["server-timing"] = p.clock.server_timing()
         if not p.stream:
             body = full_response(
-                p.kind, _response_id(p), hit.model_id, hit.text, hit.finish_reason, hit.prompt_tokens, hit.completion_tokens
+                p.kind, _response_id(p), hit.model_id, hit.text, hit.finish_reason, hit.prompt_tokens, hit.completion_tokens,
+                tools=p.tools is not None,
             )
             return JSONResponse(body, headers=headers)
 
         async def replay() -> AsyncIterator[bytes]:
-            writer = SSEWriter(p.kind, _response_id(p), hit.model_id)
+            writer = SSEWriter(p.kind, _response_id(p), hit.model_id, tools=p.tools is not None)
             for piece in _pieces(hit.text, self.args.cache.replay_chunk_words):
                 yield writer.delta(piece)
             yield writer.delta("", hit.finish_reason)

@@ -23,6 +23,8 @@ from ingress.errors import APIError, bad_request
 from ingress.prompts import PromptBuilder
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, lone_surrogate_at
 from ingress.responses import Kind
+from ingress.structured import structured_output
+from ingress.tools import ToolSpec, tool_spec
 from router.base import RouteFeatures
 from semantic_cache.keys import exact_key, scope_key, split_query
 from telemetry.clock import StageClock
@@ -66,6 +68,7 @@ class Prepared:
     decode_chunks: int = 0  # chunks with tokens after the first: the engine steps it took
     prefill_ms: float | None = None
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
+    tools: ToolSpec | None = None  # its function tools: prompt, grammar, and tool_calls in the answer
 
 
 # Prompts longer than this are tokenized (and trimmed) on a worker thread, not on the event
@@ -139,12 +142,21 @@ class Preparer:
                 param="model",
                 code="model_not_found",
             )
+        structured = structured_output(req)
+        tools = None
         if kind == "chat":
-            tokenize = lambda b: b.chat(req.messages)  # noqa: E731
+            try:
+                tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls)
+            except ValueError as exc:
+                raise bad_request(str(exc), "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
+            if tools is not None and structured is not None:
+                raise bad_request("tools and a structured output (response_format, guided_*) at once are not served; "
+                                  "send one", "response_format")
+            tokenize = lambda b: b.chat(req.messages, tools)  # noqa: E731
         else:
             tokenize = lambda b: b.completion(req.prompt)  # noqa: E731
         if kind == "chat":
-            turns = [{"role": m.role, "content": m.text()} for m in req.messages]
+            turns = [_turn(m) for m in req.messages]
             users = [t["content"] for t in turns if t["role"] == "user"]
             last_user, user_turns = (users[-1] if users else ""), len(users)
         else:
@@ -165,6 +177,7 @@ class Preparer:
             min_tokens=req.min_tokens or 0,
             ignore_eos=bool(req.ignore_eos),
             logprobs=req.logprobs_asked,
+            structured=structured if tools is None else tools.grammar(),
         )
         if kind == "chat" and req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -191,6 +204,10 @@ class Preparer:
                     repetition=sampling.repetition_penalty, bias=[list(b) for b in sampling.logit_bias],
                     min_tokens=sampling.min_tokens, ignore_eos=sampling.ignore_eos,
                 )
+            if structured is not None:
+                sampling_key.update(structured=[structured.kind, structured.spec])
+            if tools is not None:
+                sampling_key.update(tools.key())
             if not sampling.greedy:
                 sampling_key.update(temperature=sampling.temperature, seed=sampling.seed, top_k=sampling.top_k,
                                     min_p=sampling.min_p)
@@ -217,6 +234,7 @@ class Preparer:
             tier=tier or self.admission.tier(ctx),
             mode=mode or self.args.admission.mode,
             chars=chars,
+            tools=tools,
         )
 
     def tokenize(self, p: Prepared) -> None:
@@ -250,7 +268,8 @@ class Preparer:
         fitted = None
         if isinstance(req, ChatCompletionRequest):
             fitted = trim_conversation(
-                req.messages, lambda m: m.role, builder.message_tokens(req.messages), lambda ms: len(builder.chat(ms)),
+                req.messages, lambda m: m.role, builder.message_tokens(req.messages),
+                lambda ms: len(builder.chat(ms, p.tools)),
                 budget, len(p.prompt_ids),
             )
         if fitted is None:
@@ -263,9 +282,9 @@ class Preparer:
                 "context_length_exceeded",
             )
         kept, dropped, tokens = fitted
-        p.tokenize = lambda b: b.chat(kept)  # noqa: E731  (a routed model re-tokenizes the trimmed turns)
+        p.tokenize = lambda b: b.chat(kept, p.tools)  # noqa: E731  (a routed model re-tokenizes the trimmed turns)
         before = len(p.prompt_ids)
-        p.prompt_ids = builder.chat(kept)
+        p.prompt_ids = builder.chat(kept, p.tools)
         p.notes["x-context-trimmed"] = f"dropped_messages={dropped}; tokens={before}->{tokens}; tier={p.ctx.tier}"
 
     def _output_budget(self, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> int:
@@ -287,6 +306,19 @@ class Preparer:
                 "context_length_exceeded",
             )
         return asked
+
+
+def _turn(m: Any) -> dict[str, Any]:
+    """A message as the cache key sees it: everything in it that changes the answer."""
+    turn: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        turn["tool_calls"] = [
+            {"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        turn["tool_call_id"] = m.tool_call_id
+    return turn
 
 
 def _validate(schema: type[BaseModel], body: Any) -> Any:

