@@ -208,6 +208,7 @@ def verified_hits(pairs_n: int, max_tokens: int) -> dict:
                 "text": "".join(parts)}
 
     miss_ttft, miss_e2e, hit_ttft, hit_e2e, outcomes, wrong = [], [], [], [], {}, 0
+    whole_e2e, whole_miss_e2e = [], []  # verified hits whose cached answer the model kept whole, and their misses
     with running_service(serve_file, tweak=without_rate_limits) as base, \
             httpx.Client(base_url=base, timeout=120, headers={"authorization": "Bearer bench-verify"}) as client:
         ask(client, "Warm up: say hi.")
@@ -222,6 +223,9 @@ def verified_hits(pairs_n: int, max_tokens: int) -> dict:
             if served["cache"] == "verified":
                 hit_ttft.append(served["ttft_ms"])
                 hit_e2e.append(served["e2e_ms"])
+                if served["text"] == first["text"] and first["cache"] == "miss":
+                    whole_e2e.append(served["e2e_ms"])
+                    whole_miss_e2e.append(first["e2e_ms"])
                 alone = ask(client, paraphrase, {"Cache-Control": "no-cache, no-store"})
                 wrong += alone["text"] != served["text"]
     m_e2e, h_e2e = summary(miss_e2e)["p50"], summary(hit_e2e)["p50"] if hit_e2e else None
@@ -233,18 +237,97 @@ def verified_hits(pairs_n: int, max_tokens: int) -> dict:
         "e2e_miss_over_verified_p50": round(m_e2e / h_e2e, 2) if h_e2e else None,
         "ttft_verified_over_miss_p50": round(h_ttft / m_ttft, 2) if h_ttft else None,
         "verified_answers_unlike_the_models_own": wrong,
+        "fully_accepted": len(whole_e2e),
+        "fully_accepted_e2e_ms": summary(whole_e2e),
+        "fully_accepted_e2e_miss_over_verified_p50": (
+            round(summary(whole_miss_e2e)["p50"] / summary(whole_e2e)["p50"], 2) if whole_e2e else None
+        ),
     }
 
 
-def near_miss_speedup(pairs_n: int, max_tokens: int) -> dict:
+def _model():
     from target.service import ModelService
-    from engines.types import GenerateRequest, SamplingParams
     from ingress.prompts import PromptBuilder
+
+    service = ModelService(load_serve_config().args.target)
+    return service, PromptBuilder(service.engine.tokenizer)
+
+
+def _answers(service, builder, texts: list[str], max_tokens: int) -> dict[str, str]:
+    """The target's own greedy answer to each text (speculation on: lossless, and faster)."""
+    from engines.types import GenerateRequest, SamplingParams
     from ingress.protocol import ChatMessage
 
-    stage = load_serve_config().args.target
-    service = ModelService(stage)
-    builder = PromptBuilder(service.engine.tokenizer)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+    async def one(i: int, text: str) -> str:
+        request = GenerateRequest(f"label{i}", builder.chat([ChatMessage(role="user", content=text)]), params)
+        return "".join([chunk.text async for chunk in service.generate(request)])
+
+    async def run_all() -> dict[str, str]:
+        unique = sorted(set(texts))
+        return {t: await one(i, t) for i, t in enumerate(tqdm(unique, desc="bounded: model answers", unit="query"))}
+
+    return asyncio.run(run_all())
+
+
+def bounded_mode(embedder, service, builder, threshold: float, max_error_rate: float, max_tokens: int = 32,
+                 arrivals: int = 4000) -> dict:
+    """`semantic.mode: bounded` on the evaluation set, labelled by the model itself: each pair that
+    passes the threshold and the guards is a candidate, right when the model's greedy answer to
+    the new question equals its answer to the cached one. A stream of `arrivals` candidates drawn
+    from the tune/test pairs trains the skip policy (verified ones teach it); a stream drawn from
+    the held-out pairs, never tuned on, measures the realised rate of wrong answers it served."""
+    import random
+
+    from semantic_cache.skip_policy import SkipPolicy
+
+    pairs = eval_pairs()
+    a = embedder.embed_many([p.cached for p in pairs])
+    b = embedder.embed_many([p.query for p in pairs])
+    sims = (a * b).sum(axis=1)
+    candidates = [(p, float(sims[i])) for i, p in enumerate(pairs) if sims[i] >= threshold and mismatch(p.cached, p.query) is None]
+    answers = _answers(service, builder, [t for p, _ in candidates for t in (p.cached, p.query)], max_tokens)
+    labelled = [(p, s, answers[p.cached] == answers[p.query]) for p, s in candidates]
+    train = [x for x in labelled if x[0].split != "held_out"]
+    held = [x for x in labelled if x[0].split == "held_out"]
+    policy = SkipPolicy(max_error_rate, rng=random.Random(1))
+    rng = random.Random(0)
+
+    def stream(pool: list, n: int) -> dict:
+        served = wrong = 0
+        for _ in range(n if pool else 0):
+            p, score, correct = rng.choice(pool)
+            key = p.cached
+            if policy.serve_unverified(score, key):
+                served += 1
+                wrong += not correct
+            else:
+                policy.observe(score, key, correct)
+        return {"arrivals": n if pool else 0, "served_unverified": served, "wrong_served": wrong,
+                "realised_error_rate": round(wrong / served, 4) if served else 0.0,
+                "served_unverified_share": round(served / n, 4) if pool else 0.0}
+
+    trained = stream(train, arrivals)
+    tested = stream(held, arrivals // 2)
+    return {
+        "max_error_rate": max_error_rate,
+        "label_max_tokens": max_tokens,
+        "candidates": len(labelled),
+        "candidates_model_agrees": sum(c for _, _, c in labelled),
+        "held_out_candidates": len(held),
+        "held_out_model_agrees": sum(c for _, _, c in held),
+        "learned_threshold": policy.threshold,
+        "labels_needed_at_bound": SkipPolicy.labels_needed(max_error_rate),
+        "train_stream": trained,
+        "held_out_stream": tested,
+    }
+
+
+def near_miss_speedup(service, builder, pairs_n: int, max_tokens: int) -> dict:
+    from engines.types import GenerateRequest, SamplingParams
+    from ingress.protocol import ChatMessage
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
     async def generate(rid: str, text: str, hint: list[int] | None) -> tuple[str, float, int]:
@@ -288,7 +371,10 @@ def run(requests: int = 40, max_tokens: int = 48, quick: bool = False) -> dict:
     store = store_latency(embedder.dimensions, sizes)
     http = http_latency(min(requests, 6) if quick else requests, max_tokens)
     verified = verified_hits(min(requests, 6) if quick else requests, 64)
-    near = near_miss_speedup(4 if quick else 12, 64 if quick else 96)
+    service, builder = _model()
+    near = near_miss_speedup(service, builder, 4 if quick else 12, 64 if quick else 96)
+    bounded = bounded_mode(embedder, service, builder, semantic.threshold, semantic.max_error_rate,
+                           arrivals=1000 if quick else 4000)
     big = store.get("edge_100000", {}).get("lookup_ms", {})
     return {
         "threshold": semantic.threshold,
@@ -305,7 +391,10 @@ def run(requests: int = 40, max_tokens: int = 48, quick: bool = False) -> dict:
         "verified_hit_e2e_speedup_over_miss_p50": verified["e2e_miss_over_verified_p50"],
         "verified_hit_ttft_over_miss_p50": verified["ttft_verified_over_miss_p50"],
         "verified_answers_unlike_the_models_own": verified["verified_answers_unlike_the_models_own"],
+        "verified_fully_accepted_e2e_speedup_over_miss_p50": verified["fully_accepted_e2e_miss_over_verified_p50"],
+        "bounded_realised_error_rate_held_out": bounded["held_out_stream"]["realised_error_rate"],
         "quality": q,
+        "bounded": bounded,
         "verified": verified,
         "http": http,
         "store": store,

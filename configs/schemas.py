@@ -247,13 +247,23 @@ class SemanticConfig(_Strict):
     """Paraphrase matching on the last user turn, inside the scope of everything else."""
 
     enabled: bool = True
-    mode: Literal["verify", "trust"] = Field(
+    mode: Literal["verify", "bounded", "trust"] = Field(
         "verify",
         description="verify: a semantic match is never served as is; the answering model checks the cached answer "
         "as a speculative draft, token by token, so the response is exactly the model's own (x-cache: verified); "
         "a wrong cached answer costs speed, never correctness. Needs a model that drafts from hints (the "
-        "transformers target with speculation); elsewhere a match is generated as a miss. trust: a match that "
-        "passes the threshold and the guards is served at once (x-cache: hit), and can be wrong",
+        "transformers target with speculation); elsewhere a match is generated as a miss. bounded: verify, and "
+        "learn from every verification when a match may be served unverified (x-cache: hit) with the chance of "
+        "a wrong answer under max_error_rate (semantic_cache/skip_policy.py). trust: a match that passes the "
+        "threshold and the guards is served at once (x-cache: hit), and can be wrong",
+    )
+    max_error_rate: float = Field(
+        0.01, gt=0, lt=0.5,
+        description="mode bounded: the highest chance of serving a cached answer the model would not have given; "
+        "nothing is served unverified until the verifications seen bound it (299 clean ones at 0.01)",
+    )
+    explore_rate: float = Field(
+        0.05, ge=0, le=1, description="mode bounded: share of would-be unverified hits verified anyway, to keep learning",
     )
     threshold: float = Field(0.86, gt=0, le=1, description="cosine to serve a hit; tuned by `python -m bench cache`")
     hint_threshold: float = Field(0.7, gt=0, le=1, description="cosine to hand a near miss to the target as a draft")

@@ -47,7 +47,9 @@ class SemanticCache:
         self._doors = {"handle": 0, "channel": 0}
         self._channel = None
         if host.channels:
-            self._channel = await ChannelServer({"lookup": self._channel_lookup, "store": self.store}).start()
+            self._channel = await ChannelServer(
+                {"lookup": self._channel_lookup, "store": self.store, "verified": self.verified}
+            ).start()
 
     async def channel(self) -> dict | None:
         """Where an ingress on this node can reach `lookup` and `store` without the handle."""
@@ -70,6 +72,9 @@ class SemanticCache:
         if self.cache.needs_index() and (self._indexing is None or self._indexing.done()):
             # HNSW build takes seconds at 10k entries: a thread, never the request path.
             self._indexing = asyncio.get_running_loop().run_in_executor(None, self.cache.build_index)
+
+    async def verified(self, entry_key: str, score: float, correct: bool) -> None:
+        self.cache.verified(entry_key, score, correct)
 
     async def invalidate(self, tenant: str | None = None) -> int:
         return self.cache.invalidate(tenant)

@@ -105,6 +105,9 @@ class HandleBackends:
     def cache_store(self, entry: CacheEntry) -> None:
         self._fire(self._cache_call("store", entry))
 
+    def cache_verified(self, entry_key: str, score: float, correct: bool) -> None:
+        self._fire(self._cache_call("verified", entry_key, score, correct))
+
     async def _cache_call(self, method: str, *args):
         channel = self.cache_channels.pick() if self.cache_channels is not None else None
         if channel is not None:

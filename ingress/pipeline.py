@@ -90,6 +90,7 @@ class Backends(Protocol):
 
     async def cache_lookup(self, key: str, scope: str | None, query: str | None) -> Lookup: ...
     def cache_store(self, entry: CacheEntry) -> None: ...
+    def cache_verified(self, entry_key: str, score: float, correct: bool) -> None: ...
     async def cache_invalidate(self, tenant: str) -> int: ...
     async def route(self, features: RouteFeatures) -> RouteDecision: ...
     def generate(self, model_id: str, request: GenerateRequest) -> ModelStream: ...
@@ -214,9 +215,11 @@ class Pipeline:
             stage.engine.model_id for stage in (args.target, args.draft)
             if stage.engine.kind != "vllm" and stage.speculative.method != "none" and stage.speculative.use_hints
         }
-        if args.cache.enabled and args.cache.semantic.enabled and args.cache.semantic.mode == "verify" and not self._hint_models:
-            log.warning("cache.semantic.mode verify: no model here drafts from hints (vLLM, or speculation off), so "
-                        "a semantic match is generated as a miss; exact hits are served as before")
+        mode = args.cache.semantic.mode
+        if args.cache.enabled and args.cache.semantic.enabled and mode != "trust" and not self._hint_models:
+            log.warning("cache.semantic.mode %s: no model here drafts from hints (vLLM, or speculation off), so "
+                        "a semantic match is generated as a miss (and teaches nothing); exact hits are served as "
+                        "before", mode)
         self.route_counts: dict[str, int] = {}  # "model/reason" -> requests
         self.cache_failures = 0  # lookups that failed or timed out and were served as misses
         self.stalled_readers: Callable[[], int] = lambda: 0  # responses cut for a reader that stopped reading
@@ -662,6 +665,8 @@ class Pipeline:
             return None
         p.cache_state = "verified" if hint.reason == "verify" else "hint"
         p.notes["x-cache-match"] = f"{hint.reason};score={hint.score or 0:.3f}"
+        if p.cache_state == "verified":
+            p.verifying = hint
         return builder.tokenizer.encode(hint.response.text, add_special_tokens=False)
 
     def _overlap_lookup(self) -> bool:
@@ -969,6 +974,14 @@ class Pipeline:
         return StreamingResponse(replay(), media_type="text/event-stream", headers=headers)
 
     def _store(self, p: Prepared, decision: RouteDecision, text: str, last: GenerateChunk) -> None:
+        if p.verifying is not None and p.verifying.response is not None and last.finish_reason in ("stop", "length"):
+            # A label for semantic.mode bounded: did the model give the cached answer, exactly?
+            cached = p.verifying.response
+            correct = text == cached.text and last.finish_reason == cached.finish_reason
+            try:
+                self.backends.cache_verified(p.verifying.entry_key, p.verifying.score or 0.0, correct)
+            except Exception as exc:
+                log.warning("cache feedback failed: %s", self._why(exc))
         if (
             p.cache_key is None or p.ctx.no_store or p.coalesced or last.finish_reason not in ("stop", "length")
             or _reshaped(p)

@@ -69,6 +69,7 @@ class Prepared:
     prefill_ms: float | None = None
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
     tools: ToolSpec | None = None  # its function tools: prompt, grammar, and tool_calls in the answer
+    verifying: Any = None  # the semantic match (semantic_cache.Lookup) the model is verifying, if any
 
 
 # Prompts longer than this are tokenized (and trimmed) on a worker thread, not on the event

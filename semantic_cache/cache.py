@@ -4,9 +4,10 @@
       lookup_exact(key)                    -> hash lookup, microseconds; no embedding needed
       embed(query)                         -> only on an exact miss; the vector comes back too
       lookup_similar(scope, vector, query) -> nearest entries in the scope, then:
-        score >= threshold and guards pass -> "hit"  (served; semantic.mode trust)
-                                              "hint" with reason "verify" (semantic.mode verify:
-                                              the model verifies the answer as a draft)
+        score >= threshold and guards pass -> "hit"  (served; semantic.mode trust, or bounded
+                                              where the skip policy allows it)
+                                              "hint" with reason "verify" (semantic.mode verify
+                                              or bounded: the model verifies the answer as a draft)
         score >= hint_threshold            -> "hint" (the answer becomes a speculative draft)
         else                               -> "miss"
 """
@@ -23,6 +24,7 @@ import numpy as np
 from configs.schemas import CacheConfig
 from semantic_cache.exact import CachedResponse, ExactCache
 from semantic_cache.guards import mismatch
+from semantic_cache.skip_policy import SkipPolicy
 from semantic_cache.store import VectorStore, point_id
 
 Outcome = Literal["hit", "hint", "miss"]
@@ -35,6 +37,7 @@ class Lookup:
     score: float | None = None
     reason: str = ""  # "exact", "semantic", "below_threshold", or the guard that refused
     query: str | None = None  # the cached question that matched
+    entry_key: str = ""  # the matched entry's exact key: a verification's outcome is reported against it
     vector: np.ndarray | None = None  # the request's embedding, when the lookup made one (router, write)
     timings_ms: dict[str, float] = field(default_factory=dict)  # cache_exact / embed / cache_semantic
 
@@ -57,6 +60,8 @@ class ResponseCache:
         self._clock = clock
         self.exact = ExactCache(config, clock=clock)
         self.counts = {"exact_hits": 0, "semantic_hits": 0, "verifications": 0, "hints": 0, "misses": 0, "guard_refusals": 0, "writes": 0}
+        s = config.semantic
+        self.skip = SkipPolicy(s.max_error_rate, s.explore_rate) if s.mode == "bounded" else None
         self._writes_since_index = 0
 
     async def lookup(
@@ -104,13 +109,16 @@ class ResponseCache:
                 refusal = mismatch(cached_query, query)
                 if refusal:
                     self.counts["guard_refusals"] += 1
-            if refusal is None and self.semantic.mode == "verify":
-                self.counts["verifications"] += 1
-                return Lookup("hint", response, match.score, "verify", cached_query)
+            entry_key = match.payload.get("key", "")
+            if refusal is None and self.semantic.mode != "trust":
+                if self.skip is None or not self.skip.serve_unverified(match.score, entry_key):
+                    self.counts["verifications"] += 1
+                    return Lookup("hint", response, match.score, "verify", cached_query, entry_key=entry_key)
             if refusal is None:
                 self.counts["semantic_hits"] += 1
-                self.exact.touch(match.payload.get("key", ""))
-                return Lookup("hit", response, match.score, "semantic", cached_query)
+                self.exact.touch(entry_key)
+                reason = "semantic" if self.skip is None else "bounded"
+                return Lookup("hit", response, match.score, reason, cached_query, entry_key=entry_key)
             if hint is None:
                 hint = Lookup("hint", response, match.score, refusal, cached_query)
         if hint is not None:
@@ -118,6 +126,11 @@ class ResponseCache:
             return hint
         self.counts["misses"] += 1
         return Lookup("miss", score=found[0].score if found else None, reason="no_match")
+
+    def verified(self, entry_key: str, score: float, correct: bool) -> None:
+        """A verification's outcome (mode bounded learns from it): did the model give the cached answer?"""
+        if self.skip is not None:
+            self.skip.observe(score, entry_key, correct)
 
     def put(self, entry: CacheEntry) -> None:
         self.counts["writes"] += 1
@@ -162,5 +175,6 @@ class ResponseCache:
                 self.store.delete_tenant(tenant)
         return len(keys)
 
-    def stats(self) -> dict[str, int]:
-        return {"entries": len(self.exact), **self.counts}
+    def stats(self) -> dict[str, float]:
+        skip = {f"bounded_{k}": v for k, v in self.skip.stats().items()} if self.skip is not None else {}
+        return {"entries": len(self.exact), **self.counts, **skip}

@@ -311,3 +311,52 @@ def test_the_invalidation_log_hands_each_replica_what_it_missed():
         log.add(t)
     assert log.since(1).tenants == [EVERYTHING]  # t2 is gone from the log: drop everything
     assert log.since(2).tenants == ["t3", "t4", "t5"] and log.since(2).seq == 5
+
+
+def test_bounded_mode_verifies_until_verifications_bound_the_error_then_serves_and_vetoes(embedder):
+    """semantic.mode bounded: nothing is served unverified before enough clean verifications; then
+    a match at the learned similarity is a hit ("bounded"); an entry the model once rejected is
+    verified again at that similarity; a failure lowers nothing it should not."""
+    from semantic_cache.skip_policy import SkipPolicy
+
+    config = CacheConfig.model_validate({"semantic": {"mode": "bounded", "max_error_rate": 0.05, "explore_rate": 0.0}})
+    cache = ResponseCache(config, make_store(config.semantic.store, embedder.dimensions))
+    q1 = "What is the capital of France?"
+    cache.put(_entry("b" * 64, "t1", "s1", q1, embedder.embed(q1)))
+    para = "Which city is the capital of France?"
+    found = cache.lookup_similar("s1", embedder.embed(para), para)
+    assert found.outcome == "hint" and found.reason == "verify" and found.entry_key == "b" * 64
+    needed = SkipPolicy.labels_needed(0.05)
+    for _ in range(needed - 1):
+        cache.verified("other", found.score, True)
+    assert cache.lookup_similar("s1", embedder.embed(para), para).outcome == "hint", "served before the bound held"
+    cache.verified("other", found.score, True)
+    served = cache.lookup_similar("s1", embedder.embed(para), para)
+    assert served.outcome == "hit" and served.reason == "bounded"
+    cache.verified("b" * 64, found.score, False)  # the model did not give this entry's answer
+    assert cache.lookup_similar("s1", embedder.embed(para), para).outcome == "hint"
+    assert cache.stats()["bounded_failures"] == 1
+
+
+def test_the_skip_policy_keeps_the_realised_error_rate_under_its_bound():
+    """A stream where matches above 0.95 are right 99.9% of the time and below it 60%: the policy
+    learns a threshold near 0.95, serves most of what is above it, and the share of wrong answers
+    among what it served unverified stays under the bound."""
+    import random
+
+    from semantic_cache.skip_policy import SkipPolicy, failure_upper_bound
+
+    assert failure_upper_bound(0, SkipPolicy.labels_needed(0.01)) <= 0.01 < failure_upper_bound(0, 298)
+    rng, policy = random.Random(0), SkipPolicy(0.01, explore_rate=0.05, rng=random.Random(1))
+    served = wrong = 0
+    for _ in range(20_000):
+        score = rng.uniform(0.86, 1.0)
+        correct = rng.random() < (0.999 if score > 0.95 else 0.6)
+        key = f"e{rng.randrange(2000)}"
+        if policy.serve_unverified(score, key):
+            served += 1
+            wrong += not correct
+        else:
+            policy.observe(score, key, correct)
+    assert policy.threshold is not None and 0.94 <= policy.threshold <= 0.97, policy.threshold
+    assert served > 4000 and wrong / served <= 0.01, (served, wrong)
