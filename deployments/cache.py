@@ -73,7 +73,7 @@ class SemanticCache:
             # HNSW build takes seconds at 10k entries: a thread, never the request path.
             self._indexing = asyncio.get_running_loop().run_in_executor(None, self.cache.build_index)
 
-    async def verified(self, entry_key: str, score: float, correct: bool) -> None:
+    async def verified(self, shard: str, entry_key: str, score: float, correct: bool) -> None:
         self.cache.verified(entry_key, score, correct)
 
     async def invalidate(self, tenant: str | None = None) -> int:

@@ -105,8 +105,8 @@ class HandleBackends:
     def cache_store(self, entry: CacheEntry) -> None:
         self._fire(self._cache_call("store", entry))
 
-    def cache_verified(self, entry_key: str, score: float, correct: bool) -> None:
-        self._fire(self._cache_call("verified", entry_key, score, correct))
+    def cache_verified(self, shard: str, entry_key: str, score: float, correct: bool) -> None:
+        self._fire(self._cache_call("verified", shard, entry_key, score, correct))
 
     async def _cache_call(self, method: str, *args):
         channel = self.cache_channels.pick() if self.cache_channels is not None else None
@@ -208,7 +208,8 @@ class Ingress:
         cache_channels = None
         if config.cache.enabled and host.channels:
             cache_channels = ChannelPool(node_id)
-            finding.append((cache_channels, over(cache, hop), None))  # any number of cache replicas
+            # Only while the cache has one replica: with more, ScopeShardRouter sends each scope to its own.
+            finding.append((cache_channels, over(cache, hop), "SemanticCache"))
         model_channels = {}
         for stage, handle, name in ((config.target, target, "TargetModel"), (config.draft, draft, "DraftModel")):
             if host.channels:
@@ -249,6 +250,7 @@ class Ingress:
             replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:
             pass
+        self.pipeline.served_by = f"{replica_id}@{node_id[:12]}"
         self._admission = AdmissionSync(
             self.pipeline.admission, admission.report.remote, replica_id, config.admission.sync_interval_s,
             on_invalidated=self.pipeline.forget_tenants,

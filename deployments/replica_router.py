@@ -1,4 +1,5 @@
-"""Ray Serve request router for the model deployments: prefix affinity (router/prefix_affinity.py).
+"""Ray Serve request routers. For the model deployments: prefix affinity (router/prefix_affinity.py).
+For the SemanticCache deployment: `ScopeShardRouter`, every call for a cache scope to one replica.
 
 Enabled per deployment in serve_config.yaml:
 
@@ -11,6 +12,8 @@ PrefixCacheAffinityRouter asks a prefix-tree actor, a blocking call per request.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
@@ -49,3 +52,39 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.affinity.forget(replica_id.unique_id)
+
+
+# The SemanticCache methods that carry a shard key, and where: lookup(key, scope, query),
+# store(entry), verified(shard, entry_key, score, correct).
+def _shard(pending: PendingRequest | None) -> str | None:
+    if pending is None or not pending.args:
+        return None
+    method, args = pending.metadata.call_method, pending.args
+    if method == "lookup" and len(args) >= 2:
+        return args[1] or args[0]  # the scope, or the exact key where there is none
+    if method == "store":
+        return getattr(args[0], "shard", None) or None
+    if method == "verified":
+        return args[0]
+    return None  # stats(), invalidate(), channel(): any replica
+
+
+def _weight(shard: str, replica: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{shard}|{replica}".encode(), digest_size=8).digest(), "big")
+
+
+class ScopeShardRouter(RequestRouter):
+    """Each cache scope (a tenant's model, context and sampling; or an exact key without one) lives
+    on one SemanticCache replica, picked by rendezvous hashing over the live replicas: its lookups,
+    writes and verification outcomes all go there, so adding replicas splits the entries instead
+    of scattering them (a hit stays a hit at any replica count), and a replica that goes away
+    moves only its own scopes. The owner is asked first; the next in rank only if it is full."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        shard = _shard(pending_request)
+        if shard is None:
+            return [candidate_replicas]
+        ranked = sorted(candidate_replicas, key=lambda r: _weight(shard, r.replica_id.unique_id), reverse=True)
+        return [[r] for r in ranked]

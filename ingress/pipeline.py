@@ -90,7 +90,7 @@ class Backends(Protocol):
 
     async def cache_lookup(self, key: str, scope: str | None, query: str | None) -> Lookup: ...
     def cache_store(self, entry: CacheEntry) -> None: ...
-    def cache_verified(self, entry_key: str, score: float, correct: bool) -> None: ...
+    def cache_verified(self, shard: str, entry_key: str, score: float, correct: bool) -> None: ...
     async def cache_invalidate(self, tenant: str) -> int: ...
     async def route(self, features: RouteFeatures) -> RouteDecision: ...
     def generate(self, model_id: str, request: GenerateRequest) -> ModelStream: ...
@@ -183,6 +183,7 @@ class Pipeline:
         self, args: AppArgs, backends: Backends, prompts: dict[str, PromptBuilder], embedder: Embedder | None = None
     ) -> None:
         self.args = args
+        self.served_by = ""  # this ingress replica and its node (x-ingress-replica), set by its deployment
         self.backends = backends
         self.embedder = embedder  # the classifier's, for requests that skip the cache (the lookup brings one)
         self._embedder_loading: asyncio.Future[Embedder] | None = None  # /v1/embeddings, without a classifier
@@ -979,7 +980,7 @@ class Pipeline:
             cached = p.verifying.response
             correct = text == cached.text and last.finish_reason == cached.finish_reason
             try:
-                self.backends.cache_verified(p.verifying.entry_key, p.verifying.score or 0.0, correct)
+                self.backends.cache_verified(p.scope or "", p.verifying.entry_key, p.verifying.score or 0.0, correct)
             except Exception as exc:
                 log.warning("cache feedback failed: %s", self._why(exc))
         if (
@@ -989,7 +990,8 @@ class Pipeline:
             return
         value = CachedResponse(text, last.finish_reason, last.prompt_tokens, last.completion_tokens, decision.model_id)
         vector = p.vector if p.vector is not None and p.scope is not None else None
-        entry = CacheEntry(p.cache_key, p.ctx.tenant, p.scope if vector is not None else None, p.query, vector, value)
+        entry = CacheEntry(p.cache_key, p.ctx.tenant, p.scope if vector is not None else None, p.query, vector, value,
+                           shard=p.scope or p.cache_key)
         self._remember(p, value)
         try:
             self.backends.cache_store(entry)
@@ -1003,6 +1005,7 @@ class Pipeline:
             "x-cache": cache,
             "x-route": decision.header(),
             "x-slo-tier": p.ctx.tier,
+            **({"x-ingress-replica": self.served_by} if self.served_by else {}),
             **p.notes,
         }
 

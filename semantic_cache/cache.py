@@ -50,6 +50,7 @@ class CacheEntry:
     query: str | None
     vector: np.ndarray | None
     response: CachedResponse
+    shard: str = ""  # the scope, or the key where there is none: which cache replica holds it
 
 
 class ResponseCache:

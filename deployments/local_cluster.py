@@ -1,0 +1,109 @@
+"""A multi-node Ray cluster on one machine (tests, `bench cluster`): a head and worker raylets,
+each its own Ray node with its own resources, started and stopped here, and the graph deployed on
+it the way `configs/cluster.yaml` places it on a real cluster.
+
+Nodes carry the labels the cluster profile places by: `front` (ingress, admission, cache,
+router) and `model` (the model replicas, as GPU nodes would be). The default layout is a head
+and one more `front` node (an ingress replica on each) and two `model` nodes, so a model node
+can be lost while its replicas have somewhere to go. A worker can be killed (its raylet and every process on it), which is what losing a
+machine looks like to Ray and Serve.
+
+All nodes share the host's loopback, so Serve's proxy runs on the head only here (on a cluster:
+one per node), and the ingress replicas' direct listeners share one port (SO_REUSEPORT: the
+kernel spreads connections over them, whichever node they are on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from configs.schemas import AppArgs
+from configs.serve_config import ServeFile, load_serve_config
+from deployments.local import OFFLINE_ENV, ServiceURLs, _wait_healthy, free_port, quiet_logging
+
+CLUSTER_PROFILE = "configs/cluster.yaml"
+
+
+@dataclass
+class LocalCluster:
+    cluster: Any  # ray.cluster_utils.Cluster
+    workers: list[Any] = field(default_factory=list)
+    urls: ServiceURLs | None = None
+
+    def node_of(self, app: str, deployment: str) -> list[str]:
+        """Node ids of a deployment's live replicas."""
+        from ray._private import state  # the GCS's actor table: no dashboard needed
+
+        prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+        return [a["Address"]["NodeID"] for a in state.actors().values()
+                if a["State"] == "ALIVE" and (a["Name"] or "").startswith(prefix)]
+
+    def kill_worker(self, node_id: str) -> None:
+        """Lose a machine: its raylet and every worker process on it die at once."""
+        node = next(w for w in self.workers if w.node_id == node_id)
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.workers.remove(node)
+
+
+@contextlib.contextmanager
+def running_cluster(
+    serve_file: ServeFile | None = None,
+    tweak: Callable[[AppArgs], None] | None = None,
+    workers: tuple[dict[str, float], ...] = ({"front": 2}, {"model": 2}, {"model": 2}),
+    options: Callable[[dict[str, dict]], None] | None = None,
+    startup_timeout_s: float = 600,
+) -> Iterator[LocalCluster]:
+    """Start a head and one worker node per `workers` entry (its custom resources), deploy the graph from `serve_file` (default: the
+    cluster profile), yield once healthy; shut everything down afterwards."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from deployments.app import build_graph
+
+    os.environ.update(OFFLINE_ENV)
+    serve_file = serve_file or load_serve_config(CLUSTER_PROFILE)
+    args = serve_file.args.model_copy(deep=True)
+    if tweak:
+        tweak(args)
+    deployment_options = {k: dict(v) for k, v in serve_file.deployment_options.items()}
+    if options:
+        options(deployment_options)
+    env = {"env_vars": {**serve_file.env_vars, **OFFLINE_ENV}}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "resources": {"front": 4}, "include_dashboard": False,
+    })
+    handle = LocalCluster(cluster)
+    try:
+        for resources in workers:
+            handle.workers.append(cluster.add_node(num_cpus=2, resources=dict(resources)))
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, runtime_env=env, logging_level="WARNING")
+        if args.ingress.direct_port is not None:
+            args.ingress.direct_host, args.ingress.direct_port = "127.0.0.1", free_port()
+        port = free_port()
+        logging_config = quiet_logging(serve_file)
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port},
+                    logging_config=logging_config)
+        serve.run(build_graph(args, deployment_options, logging_config), name=serve_file.app_name,
+                  route_prefix=serve_file.route_prefix)
+        direct = f"http://127.0.0.1:{args.ingress.direct_port}" if args.ingress.direct_port is not None else None
+        handle.urls = ServiceURLs(f"http://127.0.0.1:{port}", direct)
+        deadline = time.monotonic() + startup_timeout_s
+        for base in filter(None, (handle.urls.proxy, handle.urls.direct)):
+            _wait_healthy(base, deadline, "cluster service")
+        yield handle
+    finally:
+        try:
+            serve.shutdown()
+        except Exception:
+            pass
+        try:
+            ray.shutdown()
+        finally:
+            cluster.shutdown()

@@ -1,0 +1,153 @@
+"""The graph on a 4-node Ray cluster on this machine (deployments/local_cluster.py), placed by
+configs/cluster.yaml: an ingress replica on each of two `front` nodes, the model replicas on two
+`model` nodes, three SemanticCache replicas splitting the scopes. Requests are served through
+both ingress nodes; an answer cached through one is a hit through the other; every repeat hits
+with three cache replicas and an invalidation reaches them all; losing a model node under load
+loses no request, and the service answers again once Serve has replaced its replicas."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from configs.serve_config import load_serve_config
+from deployments.local import without_rate_limits
+from deployments.local_cluster import CLUSTER_PROFILE, running_cluster
+
+ADMIN = "sk-cluster-admin"
+RECOVERY_LIMIT_S = 240
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    serve_file = load_serve_config(CLUSTER_PROFILE)
+
+    def tweak(args):
+        without_rate_limits(args)
+        args.auth.admin_keys = [ADMIN]
+        args.cache.near_entries = 0  # every exact hit comes from a cache replica: what these tests check
+        for name, tier in list(args.admission.tiers.items()):  # a slow shared box: no deadlines here
+            args.admission.tiers[name] = tier.model_copy(update={"ttft_ms": None, "e2e_ms": 600_000, "max_queue_ms": None})
+
+    def options(opts):
+        cache = opts["SemanticCache"]
+        cache.pop("autoscaling_config", None)
+        cache["num_replicas"] = 3
+
+    with running_cluster(serve_file, tweak=tweak, options=options) as handle:
+        yield handle
+
+
+def _model() -> str:
+    return load_serve_config(CLUSTER_PROFILE).args.target.engine.model_id
+
+
+def _ask(base: str, text: str, key: str) -> httpx.Response:
+    body = {"model": _model(), "messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 12}
+    # A new connection each time: the kernel spreads them over the ingress replicas' listeners.
+    return httpx.post(base + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"},
+                      timeout=180)
+
+
+def _node(resp: httpx.Response) -> str:
+    return resp.headers["x-ingress-replica"].rsplit("@", 1)[1]
+
+
+def test_both_ingress_nodes_serve_and_an_answer_cached_through_one_hits_through_the_other(cluster):
+    base = cluster.urls.best
+    key = f"sk-{uuid.uuid4().hex[:8]}"
+    first = _ask(base, "What is the capital of Japan?", key)
+    assert first.status_code == 200 and first.headers["x-cache"] == "miss", first.text
+    nodes, crossed = {_node(first)}, None
+    for _ in range(40):
+        resp = _ask(base, "What is the capital of Japan?", key)
+        assert resp.status_code == 200 and resp.headers["x-cache"] == "hit", resp.headers
+        nodes.add(_node(resp))
+        if _node(resp) != _node(first):
+            crossed = resp
+            break
+    assert crossed is not None, f"every request went through one ingress node: {nodes}"
+    assert crossed.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+
+
+def test_three_cache_replicas_split_the_scopes_every_repeat_hits_and_invalidation_reaches_all(cluster):
+    """With Serve's default routing, a repeat would reach the replica holding its answer one time
+    in three; each scope's calls go to its own replica instead."""
+    base = cluster.urls.best
+    keys = [f"sk-shard-{i}-{uuid.uuid4().hex[:6]}" for i in range(9)]
+    for k in keys:
+        assert _ask(base, "Name a primary color.", k).headers["x-cache"] == "miss"
+    time.sleep(0.5)  # writes are fire-and-forget
+    assert [_ask(base, "Name a primary color.", k).headers["x-cache"] for k in keys] == ["hit"] * len(keys)
+    from ray import serve
+
+    status = serve.status().applications["llm"].deployments["SemanticCache"]
+    assert sum(status.replica_states.values()) == 3
+    from ingress.context import tenant_from_headers
+
+    tenant = tenant_from_headers({"authorization": f"Bearer {keys[0]}"})
+    gone = httpx.delete(f"{base}/v1/cache", params={"tenant": tenant}, headers={"authorization": f"Bearer {ADMIN}"},
+                        timeout=60)
+    assert gone.status_code == 200, gone.text
+    time.sleep(2.5)  # every replica follows the controller's invalidations within about a second
+    assert _ask(base, "Name a primary color.", keys[0]).headers["x-cache"] == "miss"
+    assert _ask(base, "Name a primary color.", keys[1]).headers["x-cache"] == "hit"
+
+
+def test_losing_a_model_node_under_load_loses_no_request(cluster):
+    """Four clients send uncached requests; the node running TargetModel is killed. Every
+    request ends with a complete answer or a clear OpenAI-shaped error (none hangs, none is cut
+    silently), and once Serve has placed the replicas on the other model node, requests are
+    answered again."""
+    from ray import serve
+
+    base = cluster.urls.best
+    victim = cluster.node_of("llm", "TargetModel")[0]
+    outcomes: list[tuple[float, float, int | str]] = []  # (sent, ended, status or error)
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                resp = _ask(base, f"Client {i} request {n}: say a word.", f"sk-load-{i}")
+                status: int | str = resp.status_code
+                if resp.status_code == 200:
+                    assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
+                else:
+                    assert "error" in resp.json() and resp.json()["error"]["message"], resp.text
+            except httpx.HTTPError as exc:
+                status = type(exc).__name__
+            outcomes.append((sent, time.monotonic(), status))
+            n += 1
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(8)
+    killed_at = time.monotonic()
+    cluster.kill_worker(victim)
+    recovered_at = None
+    deadline = killed_at + RECOVERY_LIMIT_S
+    while time.monotonic() < deadline and recovered_at is None:
+        time.sleep(1)
+        done_after = [o for o in list(outcomes) if o[0] > killed_at + 1 and o[2] == 200]
+        if done_after:
+            recovered_at = min(o[1] for o in done_after)
+    stop.set()
+    for t in threads:
+        t.join(timeout=200)
+    assert not any(t.is_alive() for t in threads), "a request never ended"
+    assert recovered_at is not None, f"no request answered within {RECOVERY_LIMIT_S} s of losing the node"
+    errors = [o for o in outcomes if o[2] != 200]
+    assert all(isinstance(o[2], int) and o[2] in (503, 504) for o in errors), errors
+    nodes = cluster.node_of("llm", "TargetModel")
+    assert nodes and victim not in nodes
+    assert serve.status().applications["llm"].deployments["TargetModel"].status == "HEALTHY"
+    print(f"node loss: {len(outcomes)} requests, {len(errors)} clear errors, answered again "
+          f"{recovered_at - killed_at:.1f} s after the kill")
