@@ -33,6 +33,7 @@ SUITES = {
     "contention": "bench.contention",  # both models decoding at once on the cores, at each niceness
     "sweep": "bench.sweep",  # no headers, 1-16 concurrent clients on the shipped config: answered, refused and why
     "guidellm": "bench.guidellm",  # guidellm (a public load tool, own env) at 1-8 streams, no headers
+    "cluster": "bench.cluster",  # a 4-node local Ray cluster vs one node: cache hit rates, node loss, fleet admission
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
 }
 

@@ -66,6 +66,8 @@ def running_cluster(
 
     from deployments.app import build_graph
 
+    if ray.is_initialized():
+        raise RuntimeError("running_cluster starts its own Ray cluster: this process is already connected to one")
     os.environ.update(OFFLINE_ENV)
     serve_file = serve_file or load_serve_config(CLUSTER_PROFILE)
     args = serve_file.args.model_copy(deep=True)

@@ -24,9 +24,10 @@ import torch
 
 from engines.types import StructuredOutput
 
-# Whitespace a JSON value may carry between tokens: none beyond one separator space, so a small
-# model cannot pad an answer with whitespace until max_tokens runs out.
-_SEPARATORS = (",", ":")
+# Whitespace a JSON value may carry between its tokens: at most this many characters at a time, so
+# a model may indent as it was trained to, but cannot pad an answer with whitespace until
+# max_tokens runs out.
+_WHITESPACE = {"any_whitespace": True, "max_whitespace_cnt": 8}
 
 
 ANY_OBJECT = '{"type": "object"}'
@@ -42,7 +43,7 @@ def check(structured: StructuredOutput) -> None:
 
     try:
         if structured.kind == "json_schema":
-            xgr.Grammar.from_json_schema(structured.spec, any_whitespace=False, separators=_SEPARATORS)
+            xgr.Grammar.from_json_schema(structured.spec, **_WHITESPACE)
         elif structured.kind == "regex":
             xgr.Grammar.from_regex(structured.spec)
         elif structured.kind == "choice":
@@ -68,10 +69,10 @@ class GrammarCompiler:
     def compile(self, structured: StructuredOutput) -> Any:
         c = self._compiler
         try:
-            if structured.kind == "json":  # any object, compact (strict mode would allow only {})
-                return c.compile_json_schema(ANY_OBJECT, any_whitespace=False, separators=_SEPARATORS, strict_mode=False)
+            if structured.kind == "json":  # any object (strict mode would allow only {})
+                return c.compile_json_schema(ANY_OBJECT, strict_mode=False, **_WHITESPACE)
             if structured.kind == "json_schema":
-                return c.compile_json_schema(structured.spec, any_whitespace=False, separators=_SEPARATORS)
+                return c.compile_json_schema(structured.spec, **_WHITESPACE)
             if structured.kind == "regex":
                 return c.compile_regex(structured.spec)
             if structured.kind == "choice":
@@ -105,6 +106,10 @@ class GrammarState:
     def finished(self) -> bool:
         """The grammar has accepted a stop token: nothing may follow."""
         return bool(self._matcher.is_terminated())
+
+    def forced_text(self) -> str:
+        """The text the grammar allows alone from here ("" where the model has a choice)."""
+        return str(self._matcher.find_jump_forward_string())
 
     def allowed_prefix(self, drafts: list[int]) -> int:
         """How many of `drafts`, in order, the grammar allows: a draft past that is never proposed."""

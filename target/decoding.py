@@ -173,8 +173,9 @@ class Generation:
             return None
         t0 = time.perf_counter()
         on_track = self._answer_draft(cap)
-        if on_track:
-            proposer, proposal = None, Proposal(on_track, None, "hint")
+        forced = [] if on_track else self._forced_draft(cap)
+        if on_track or forced:  # a cached answer on track, or text the grammar allows alone
+            proposer, proposal = None, Proposal(on_track or forced, None, "hint" if on_track else "grammar")
         else:
             chosen = self._choose_draft(cap)
             if chosen is None:
@@ -199,9 +200,10 @@ class Generation:
         t2 = time.perf_counter()
         spec.draft_ms += (t1 - t0) * 1000
         spec.verify_ms += (t2 - t1) * 1000
-        if proposer is None:  # the cached answer: longer passes while wholly accepted
-            whole = len(verdict.accepted) == len(proposal.tokens)
-            self._answer_chunk = min(self._answer_chunk * 2, ANSWER_CHUNK_MAX) if whole else ANSWER_CHUNK_FIRST
+        if proposer is None:
+            if proposal.source == "hint":  # the cached answer: longer passes while wholly accepted
+                whole = len(verdict.accepted) == len(proposal.tokens)
+                self._answer_chunk = min(self._answer_chunk * 2, ANSWER_CHUNK_MAX) if whole else ANSWER_CHUNK_FIRST
         else:
             spec.chooser.observe(
                 proposer.name, len(proposal.tokens), len(verdict.accepted), proposal.marginal_ms, (t2 - t1) * 1000,
@@ -209,11 +211,21 @@ class Generation:
             )
             if not proposer.free:
                 spec.chooser.started.add(proposer.name)
-        counts = spec.by_source.setdefault("hint" if proposer is None else proposer.name, [0, 0])
+        counts = spec.by_source.setdefault(proposal.source if proposer is None else proposer.name, [0, 0])
         counts[0] += len(proposal.tokens)
         counts[1] += len(verdict.accepted)
         emitted = [*verdict.accepted, verdict.next_token]
         return self._emit(emitted, logits[: len(emitted)])
+
+    def _forced_draft(self, cap: int) -> list[int]:
+        """Where the grammar allows only one text next (a JSON key, a tool call's opening), that
+        text's tokens as a draft: the target verifies them in one pass instead of a step each."""
+        if self.grammar is None:
+            return []
+        text = self.grammar.forced_text()
+        if len(text) < 2:
+            return []
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)[: min(cap, ANSWER_CHUNK_FIRST)]
 
     def _take_answer(self, hint_ids: list[int]) -> None:
         self.answer = list(hint_ids)

@@ -17,7 +17,10 @@ os.environ.update(OFFLINE_ENV)  # tests never reach a model hub
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slow` tests (optional extras, long runs) run only with RUN_SLOW=1."""
+    """The multi-node cluster tests run first: they start (and stop) a Ray cluster of their own,
+    which they can only do before this process joins the session's Ray for the shared service.
+    `slow` tests (optional extras, long runs) run only with RUN_SLOW=1."""
+    items.sort(key=lambda item: item.module.__name__ != "tests.test_cluster")  # stable: the rest keep their order
     if os.environ.get("RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: set RUN_SLOW=1 to run")
