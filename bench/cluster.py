@@ -15,7 +15,6 @@ configs/cluster.yaml) against the same graph on one node, on the same trace.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +22,7 @@ import httpx
 
 from configs.serve_config import load_serve_config
 from deployments.local import running_service, without_rate_limits
-from deployments.local_cluster import CLUSTER_PROFILE, running_cluster
+from deployments.local_cluster import CLUSTER_PROFILE, lose_a_node_under_load, running_cluster
 
 TENANTS = 12
 QUESTIONS = [
@@ -83,50 +82,17 @@ def _burst(base: str, model: str) -> dict:
 
 
 def _node_loss(cluster, model: str) -> dict:
-    base = cluster.urls.best
+    def ask(i: int, n: int) -> int | str:
+        try:
+            resp = _ask(cluster.urls.best, model, f"Client {i} request {n}: say a word.", f"sk-load-{i}", cache=False)
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+        return resp.status_code if resp.status_code == 200 or "error" in resp.json() else f"{resp.status_code} bare"
+
     victim = cluster.node_of("llm", "TargetModel")[0]
-    outcomes: list[tuple[float, float, object]] = []
-    stop = threading.Event()
-
-    def client(i: int) -> None:
-        n = 0
-        while not stop.is_set():
-            sent = time.monotonic()
-            try:
-                resp = _ask(base, model, f"Client {i} request {n}: say a word.", f"sk-load-{i}", cache=False)
-                status: object = resp.status_code
-                if resp.status_code != 200 and "error" not in resp.json():
-                    status = f"{resp.status_code} without an error body"
-            except httpx.HTTPError as exc:
-                status = type(exc).__name__
-            outcomes.append((sent, time.monotonic(), status))
-            n += 1
-
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(10)
-    killed = time.monotonic()
-    cluster.kill_worker(victim)
-    recovered = None
-    while time.monotonic() < killed + 300 and recovered is None:
-        time.sleep(1)
-        after = [o[1] for o in list(outcomes) if o[0] > killed + 1 and o[2] == 200]
-        recovered = min(after) if after else None
-    time.sleep(5)
-    stop.set()
-    for t in threads:
-        t.join(timeout=320)
-    hung = sum(t.is_alive() for t in threads)
-    errors = [o[2] for o in outcomes if o[2] != 200]
-    return {
-        "clients": 4, "requests": len(outcomes), "answered": sum(o[2] == 200 for o in outcomes),
-        "clear_errors": sum(isinstance(e, int) for e in errors),
-        "lost": hung + sum(not isinstance(e, int) for e in errors),
-        "in_flight_at_kill": sum(o[0] <= killed <= o[1] for o in outcomes),
-        "recovery_s": round(recovered - killed, 1) if recovered else None,
-        "target_moved_off_the_lost_node": victim not in cluster.node_of("llm", "TargetModel"),
-    }
+    result = lose_a_node_under_load(cluster, ask, victim, settle_s=10)
+    result["target_moved_off_the_lost_node"] = victim not in cluster.node_of("llm", "TargetModel")
+    return result
 
 
 def run(quick: bool = False) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -109,3 +110,46 @@ def running_cluster(
             ray.shutdown()
         finally:
             cluster.shutdown()
+
+
+def lose_a_node_under_load(
+    cluster: LocalCluster, ask: Callable[[int, int], int | str], node_id: str, clients: int = 4,
+    settle_s: float = 8.0, recovery_limit_s: float = 300.0,
+) -> dict[str, Any]:
+    """`clients` threads call `ask(client, n)` in a loop (it returns the HTTP status, or the name of
+    the error that ended the request); after `settle_s` the node `node_id` is killed; the loop
+    goes on until a request sent after the kill is answered (200), or `recovery_limit_s`."""
+    outcomes: list[tuple[float, float, int | str]] = []  # (sent, ended, status or error)
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            sent = time.monotonic()
+            status = ask(i, n)
+            outcomes.append((sent, time.monotonic(), status))
+            n += 1
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(settle_s)
+    killed = time.monotonic()
+    cluster.kill_worker(node_id)
+    recovered = None
+    while time.monotonic() < killed + recovery_limit_s and recovered is None:
+        time.sleep(1)
+        after = [o[1] for o in list(outcomes) if o[0] > killed + 1 and o[2] == 200]
+        recovered = min(after) if after else None
+    stop.set()
+    for t in threads:
+        t.join(timeout=recovery_limit_s + 20)
+    errors = [o[2] for o in outcomes if o[2] != 200]
+    return {
+        "clients": clients, "requests": len(outcomes), "answered": sum(o[2] == 200 for o in outcomes),
+        "clear_errors": sum(isinstance(e, int) for e in errors),
+        "lost": sum(t.is_alive() for t in threads) + sum(not isinstance(e, int) for e in errors),
+        "errors": errors,
+        "in_flight_at_kill": sum(o[0] <= killed <= o[1] for o in outcomes),
+        "recovery_s": round(recovered - killed, 1) if recovered else None,
+    }

@@ -14,6 +14,7 @@ before any model pass, since the target could never choose it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -37,8 +38,10 @@ class GrammarError(ValueError):
     """The grammar does not compile (an invalid schema or regex)."""
 
 
+@functools.lru_cache(maxsize=256)
 def check(structured: StructuredOutput) -> None:
-    """Raise `GrammarError` if it will not compile; needs no tokenizer (the ingress's 400)."""
+    """Raise `GrammarError` if it will not compile; needs no tokenizer (the ingress's 400). A
+    schema sent again is not parsed again (an error raised is not cached: it is re-raised fresh)."""
     import xgrammar as xgr
 
     try:
@@ -101,11 +104,6 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """An emitted token; False if the grammar forbids it (never, for tokens chosen from masked rows)."""
         return bool(self._matcher.accept_token(token))
-
-    @property
-    def finished(self) -> bool:
-        """The grammar has accepted a stop token: nothing may follow."""
-        return bool(self._matcher.is_terminated())
 
     def forced_text(self) -> str:
         """The text the grammar allows alone from here ("" where the model has a choice)."""

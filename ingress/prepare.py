@@ -23,6 +23,7 @@ from ingress.errors import APIError, bad_request
 from ingress.prompts import PromptBuilder
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, lone_surrogate_at
 from ingress.responses import Kind
+from engines.grammar import GrammarError, check
 from ingress.structured import structured_output
 from ingress.tools import ToolSpec, tool_spec
 from router.base import RouteFeatures
@@ -150,6 +151,11 @@ class Preparer:
                 tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls)
             except ValueError as exc:
                 raise bad_request(str(exc), "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
+            if tools is not None:
+                try:  # a parameters schema that does not compile is the client's error, found before any hop
+                    check(tool_grammar := tools.grammar())
+                except GrammarError as exc:
+                    raise bad_request(f"tools: a function's parameters do not compile: {exc}", "tools") from None
             if tools is not None and structured is not None:
                 raise bad_request("tools and a structured output (response_format, guided_*) at once are not served; "
                                   "send one", "response_format")
@@ -178,7 +184,7 @@ class Preparer:
             min_tokens=req.min_tokens or 0,
             ignore_eos=bool(req.ignore_eos),
             logprobs=req.logprobs_asked,
-            structured=structured if tools is None else tools.grammar(),
+            structured=structured if tools is None else tool_grammar,
         )
         if kind == "chat" and req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")

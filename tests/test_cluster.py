@@ -7,7 +7,6 @@ loses no request, and the service answers again once Serve has replaced its repl
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -16,7 +15,7 @@ import pytest
 
 from configs.serve_config import load_serve_config
 from deployments.local import without_rate_limits
-from deployments.local_cluster import CLUSTER_PROFILE, running_cluster
+from deployments.local_cluster import CLUSTER_PROFILE, lose_a_node_under_load, running_cluster
 
 ADMIN = "sk-cluster-admin"
 RECOVERY_LIMIT_S = 240
@@ -106,48 +105,24 @@ def test_losing_a_model_node_under_load_loses_no_request(cluster):
     from ray import serve
 
     base = cluster.urls.best
+
+    def ask(i: int, n: int) -> int | str:
+        try:
+            resp = _ask(base, f"Client {i} request {n}: say a word.", f"sk-load-{i}")
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+        body = resp.json()  # a 200 cut short or an error without its message counts as lost (a string)
+        if resp.status_code == 200:
+            return 200 if body["choices"][0]["finish_reason"] in ("stop", "length") else "200 unfinished"
+        return resp.status_code if body.get("error", {}).get("message") else f"{resp.status_code} without a message"
+
     victim = cluster.node_of("llm", "TargetModel")[0]
-    outcomes: list[tuple[float, float, int | str]] = []  # (sent, ended, status or error)
-    stop = threading.Event()
-
-    def client(i: int) -> None:
-        n = 0
-        while not stop.is_set():
-            sent = time.monotonic()
-            try:
-                resp = _ask(base, f"Client {i} request {n}: say a word.", f"sk-load-{i}")
-                status: int | str = resp.status_code
-                if resp.status_code == 200:
-                    assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
-                else:
-                    assert "error" in resp.json() and resp.json()["error"]["message"], resp.text
-            except httpx.HTTPError as exc:
-                status = type(exc).__name__
-            outcomes.append((sent, time.monotonic(), status))
-            n += 1
-
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(8)
-    killed_at = time.monotonic()
-    cluster.kill_worker(victim)
-    recovered_at = None
-    deadline = killed_at + RECOVERY_LIMIT_S
-    while time.monotonic() < deadline and recovered_at is None:
-        time.sleep(1)
-        done_after = [o for o in list(outcomes) if o[0] > killed_at + 1 and o[2] == 200]
-        if done_after:
-            recovered_at = min(o[1] for o in done_after)
-    stop.set()
-    for t in threads:
-        t.join(timeout=200)
-    assert not any(t.is_alive() for t in threads), "a request never ended"
-    assert recovered_at is not None, f"no request answered within {RECOVERY_LIMIT_S} s of losing the node"
-    errors = [o for o in outcomes if o[2] != 200]
-    assert all(isinstance(o[2], int) and o[2] in (503, 504) for o in errors), errors
+    result = lose_a_node_under_load(cluster, ask, victim, recovery_limit_s=RECOVERY_LIMIT_S)
+    assert result["lost"] == 0, result
+    assert result["recovery_s"] is not None, f"no request answered within {RECOVERY_LIMIT_S} s of losing the node"
+    assert all(e in (503, 504) for e in result["errors"]), result
     nodes = cluster.node_of("llm", "TargetModel")
     assert nodes and victim not in nodes
     assert serve.status().applications["llm"].deployments["TargetModel"].status == "HEALTHY"
-    print(f"node loss: {len(outcomes)} requests, {len(errors)} clear errors, answered again "
-          f"{recovered_at - killed_at:.1f} s after the kill")
+    print(f"node loss: {result['requests']} requests, {result['clear_errors']} clear errors, answered again "
+          f"{result['recovery_s']} s after the kill")

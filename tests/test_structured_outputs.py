@@ -83,6 +83,9 @@ def test_json_object_and_guided_fields_constrain_the_output(service):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(((("}}}}}], "tool_choice": "required"},
+     "tools"),
 ])
 def test_bad_grammars_and_tools_are_400s_that_name_the_field(service, extra, param):
     body = {"model": TARGET, "messages": ASK_WEATHER, "max_tokens": 5, **extra}
