@@ -34,6 +34,7 @@ SUITES = {
     "sweep": "bench.sweep",  # no headers, 1-16 concurrent clients on the shipped config: answered, refused and why
     "guidellm": "bench.guidellm",  # guidellm (a public load tool, own env) at 1-8 streams, no headers
     "cluster": "bench.cluster",  # a 4-node local Ray cluster vs one node: cache hit rates, node loss, fleet admission
+    "peers": "bench.peers",  # vs vllm serve, Ray Serve LLM, llama.cpp server: guidellm, 4 workloads, goodput
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
 }
 
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None,
                         help="engines suite: profile (each engine as configured; the default), float32 or bfloat16 "
                         "for both engines")
+    parser.add_argument("--systems", default=None,
+                        help="peers suite: which systems, comma-separated (default: all, bench/peer_systems.py)")
     args = parser.parse_args(argv)
 
     os.environ.update(OFFLINE_ENV)
@@ -68,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         if "dtype" not in inspect.signature(suite.run).parameters:
             parser.error(f"--dtype does not apply to the {args.suite} suite")
         kwargs["dtype"] = args.dtype
+    if args.systems is not None:
+        if "systems" not in inspect.signature(suite.run).parameters:
+            parser.error(f"--systems does not apply to the {args.suite} suite")
+        kwargs["systems"] = args.systems
     if "out" in inspect.signature(suite.run).parameters:  # suites that draw plots put them beside the JSON
         kwargs["out"] = args.out
     result = suite.run(**kwargs)

@@ -1,6 +1,6 @@
 """Suite `guidellm`: a public OpenAI-API load tool against the shipped config, no headers.
 
-guidellm 0.8.1 (installed by `bash scripts/peers.sh` into `.venv-peers/`, never into `.venv/`),
+guidellm 0.8.1 (installed by `bash scripts/peers.sh` into `.venv-peers/guidellm/`, never into `.venv/`),
 concurrent profile at 1, 2, 4 and 8 streams, 128-token synthetic prompts and 32 output tokens,
 against the service started here with `serve_config.yaml` untouched: what a user's first
 benchmark of this service with a standard tool sees. guidellm's own report is kept beside the
@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 STREAMS = (1, 2, 4, 8)
-GUIDELLM = Path(__file__).resolve().parent.parent / ".venv-peers" / "bin" / "guidellm"
+GUIDELLM = Path(__file__).resolve().parent.parent / ".venv-peers" / "guidellm" / "bin" / "guidellm"
 REPORT = Path(__file__).resolve().parent / "results" / "guidellm_report.json"
 
 

