@@ -121,7 +121,7 @@ class EngineConfig(_Strict):
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     max_batch_size: int = Field(
         16, ge=1, le=256, description="decode steps of concurrent requests share one forward pass, up to this many "
-        "(1: no batching); transformers engine"
+        "(1: no batching); transformers and llama_cpp engines (llama_cpp: at most max_sequences)"
     )
     vllm: VLLMConfig = Field(VLLMConfig(), description="kind: vllm only")
 

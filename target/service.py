@@ -108,6 +108,8 @@ class ModelService:
         self.window = PrefillWindow() if host.window else None
         # Batching needs an engine that can decode several sequences in one pass.
         self.max_batch = config.engine.max_batch_size if hasattr(self.engine, "decode_batch") else 1
+        if self.engine.max_sequences:  # a batch never holds more sequences than the engine keeps KV for
+            self.max_batch = min(self.max_batch, self.engine.max_sequences)
         self._pending: list[tuple[Generation, asyncio.Future]] = []  # decode steps waiting for the worker
         self._pending_lock = threading.Lock()
         self._batch_scheduled = False

@@ -231,18 +231,62 @@ def test_llama_engine_score_rollback_and_context_stealing(spec_service):
     draft.rollback(a, len(ids))
     again = draft.decode_step(a, nxt)
     assert torch.allclose(again, scored[0], atol=1e-4)
-    # Other sequences take every context; `a` must recompute and still be right.
+    # Other sequences take every slot; `a` must recompute, as a new sequence would compute it.
     others = [draft.new_sequence() for _ in range(draft_contexts(draft) + 1)]
     for i, seq in enumerate(others):
-        draft.prefill(seq, [1, 2, 3, 4 + i])
+        draft.prefill(seq, [5 + i, 2, 3, 4])
     draft.rollback(a, len(ids))
-    assert torch.allclose(draft.decode_step(a, nxt), scored[0], atol=1e-4)
-    for seq in [a, *others]:
+    evictions = draft.evictions
+    recomputed = draft.decode_step(a, nxt)
+    assert draft.evictions > evictions, "a kept its slot: the test no longer steals it"
+    fresh = draft.new_sequence(salt=1)  # another tenant's: computed from scratch, on the same path
+    assert torch.allclose(recomputed, draft.prefill(fresh, ids + [nxt]), atol=1e-4)
+    for seq in [a, fresh, *others]:
         draft.release(seq)
 
 
 def draft_contexts(engine) -> int:
-    return len(engine._slots)
+    return engine.max_sequences
+
+
+def test_llama_engine_decodes_several_sequences_in_one_pass_as_it_does_them_alone(serve_file):
+    """decode_batch: each sequence's logits match its own decode step, over several steps, with
+    sequences of different lengths and one that was evicted and must recompute."""
+    from engines.llamacpp_engine import LlamaCppEngine
+
+    engine = LlamaCppEngine(_llama_config(serve_file).model_copy(update={"max_sequences": 3, "prefill_quant": None}))
+    prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "One, two, three,",
+                                                    "def add(a, b):\n    return")]
+
+    def greedy(batched: bool) -> list[list[int]]:
+        seqs = [engine.new_sequence() for _ in prompts]
+        nxt = [int(torch.argmax(engine.prefill(s, p))) for s, p in zip(seqs, prompts)]
+        out = [[n] for n in nxt]
+        for _ in range(6):
+            if batched:
+                rows = engine.decode_batch(seqs, nxt)
+            else:
+                rows = torch.stack([engine.decode_step(s, n) for s, n in zip(seqs, nxt)])
+            nxt = [int(torch.argmax(r)) for r in rows]
+            for o, n in zip(out, nxt):
+                o.append(n)
+        for s in seqs:
+            engine.release(s)
+        return out
+
+    alone = greedy(False)
+    engine.forget_prefixes()
+    assert greedy(True) == alone
+    # a fourth sequence takes a slot from a live one, which recomputes inside the next batch
+    seqs = [engine.new_sequence() for _ in prompts]
+    for s, p in zip(seqs, prompts):
+        engine.prefill(s, p)
+    intruder = engine.new_sequence()
+    engine.prefill(intruder, engine.tokenizer.encode("Hello there"))
+    evicted = engine.evictions
+    rows = engine.decode_batch(seqs, [alone[i][0] for i in range(3)])
+    assert engine.evictions > evicted
+    assert [int(torch.argmax(r)) for r in rows] == [alone[i][1] for i in range(3)]
 
 
 def test_draft_sessions_recompute_when_state_is_missing(spec_service):
@@ -570,18 +614,19 @@ def test_turns_that_give_way_to_a_prompt_leave_one_batch_runner_queued(spec_serv
     assert most[0] == 1, most[0]
 
 
-def test_cpu_repack_off_loads_without_extra_buffer_types_and_the_engine_runs(serve_file):
+def test_cpu_repack_off_loads_without_extra_buffer_types_and_the_engine_runs(serve_file, monkeypatch):
     """`cpu_repack` (auto: off on AMX CPUs, where the bundled llama.cpp's AMX matmul crashed the
-    replica): models load with `use_extra_bufts` off, the defaults are restored after, and the
-    engine still prefills and decodes."""
-    import llama_cpp.llama_cpp as lib
+    replica): models load with `use_extra_bufts` off, and the engine still prefills and decodes."""
+    import llama_cpp as lib
 
-    from engines.llamacpp_engine import LlamaCppEngine, _extra_buffer_types
+    from engines.llamacpp_engine import LlamaCppEngine
 
-    with _extra_buffer_types(False):
-        assert lib.llama_model_default_params().use_extra_bufts is False
-    assert lib.llama_model_default_params().use_extra_bufts is True
+    loaded = []
+    real = lib.llama_model_load_from_file
+    monkeypatch.setattr(lib, "llama_model_load_from_file",
+                        lambda path, params: loaded.append(params.use_extra_bufts) or real(path, params))
     engine = LlamaCppEngine(_llama_config(serve_file).model_copy(update={"max_sequences": 1, "cpu_repack": "off"}))
+    assert loaded and not any(loaded), loaded
     seq = engine.new_sequence()
     logits = engine.prefill(seq, engine.tokenizer.encode("The capital of France is"))
     assert engine.tokenizer.decode([int(torch.argmax(logits))]).strip() == "Paris"

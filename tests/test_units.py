@@ -378,17 +378,18 @@ def _calls_after_a_prompt_queued_behind_a_step(service, names: tuple[str, ...]) 
 
 
 def test_a_new_prompt_goes_ahead_of_queued_llamacpp_steps(serve_file):
-    """The small model (llama.cpp) runs each sequence's decode step as its own worker job. A
-    prompt that arrives while a step is queued behind the one in progress runs before it: under
-    load it otherwise waited for a whole round of them (bench load: 0.5-0.8 s in `engine_queue`
-    at 4x capacity). The deferred step still runs, and the long answer is complete."""
+    """The small model (llama.cpp) batches its sequences' decode steps, up to the sequences it
+    keeps KV for. A prompt that arrives while a decode pass is queued behind the one in progress
+    runs before it: under load it otherwise waited for a whole round of them (bench load:
+    0.5-0.8 s in `engine_queue` at 4x capacity). The deferred pass still runs, and the long
+    answer is complete."""
     from target.service import ModelService
 
     stage = serve_file.args.draft.model_copy(deep=True)
     stage.engine.warmup = False
     service = ModelService(stage)
-    assert service.max_batch == 1
-    after, long_tokens = _calls_after_a_prompt_queued_behind_a_step(service, ("prefill", "decode_step"))
+    assert service.max_batch == stage.engine.max_sequences
+    after, long_tokens = _calls_after_a_prompt_queued_behind_a_step(service, ("prefill", "decode_batch", "decode_step"))
     assert after[0] == "prefill", after[:4]
     assert long_tokens > 2  # the deferred step ran, and the answer went on
 
