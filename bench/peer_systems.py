@@ -1,9 +1,9 @@
 """The systems `bench peers` compares: one base class, a registry, one subclass per system.
 
 Each system runs as its own process tree from its own environment (`bash scripts/peers.sh`
-makes them under .venv-peers/), on loopback ports picked here, serving the same weights as
-our target: the shipped SmolLM2-135M-Instruct Q4_1 GGUF. llama.cpp serves the GGUF itself;
-vLLM serves its dequantized safetensors copy in float32, as our target runs it.
+makes them under .venv-peers/), on loopback ports picked here, serving our target's weights at
+its precision: the shipped SmolLM2-135M-Instruct Q4_1 GGUF dequantized to float32 (llama.cpp
+the F32 GGUF our target runs, vLLM the safetensors copy in float32).
 
 To add a system: subclass `PeerSystem`, fill in `command()` (and `env()`/`prepare()` if it
 needs them), decorate it with `@register("name")`.
@@ -170,16 +170,7 @@ class _OurStack(PeerSystem):
 
 @register("ours")
 class OurDefault(_OurStack):
-    engine = "the whole graph, serve_config.yaml as shipped (fp32 transformers target + llama.cpp small model)"
-
-
-@register("ours-q4")
-class OurGraphOnQ4(OurDefault):
-    """The same graph, asked for its llama.cpp model by name: the llama.cpp server's engine and
-    weights (Q4_1) behind our stages, so the difference to that peer is what the graph adds."""
-
-    engine = "the whole graph, serve_config.yaml, model smollm2-135m-instruct-q4 (llama.cpp, Q4_1, 1 thread)"
-    model = "smollm2-135m-instruct-q4"
+    engine = "the whole graph, serve_config.yaml as shipped (llama.cpp F32 target, batched; llama.cpp Q4_1 small model)"
 
 
 @register("ours-vllm")
@@ -218,11 +209,14 @@ class RayServeLLM(VLLMServe):
 
 @register("llama.cpp")
 class LlamaCppServer(PeerSystem):
-    engine = "llama.cpp server (llama-cpp-python[server] 0.3.36), Q4_1 GGUF, 2 threads"
+    engine = "llama.cpp server (llama-cpp-python[server] 0.3.36), the GGUF as F32 (our target's weights), 2 threads"
 
     def command(self) -> list[str]:
+        from engines.model_store import requantized_gguf
+
+        weights = requantized_gguf(gguf_path(), "f32")  # the copy our target runs: same weights, same precision
         return [str(self._need(PEERS / "llamacpp" / "bin" / "python")), "-m", "llama_cpp.server",
-                "--model", str(gguf_path()), "--model_alias", MODEL, "--host", "127.0.0.1",
+                "--model", str(weights), "--model_alias", MODEL, "--host", "127.0.0.1",
                 "--port", str(self.port), "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 2),
                 "--n_threads_batch", str(os.cpu_count() or 2), "--chat_format", "chatml",
                 # queue concurrent requests; its default cuts the running stream short for a new one

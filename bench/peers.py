@@ -2,8 +2,8 @@
 
 Systems (bench/peer_systems.py): our graph as shipped (`ours`), our graph on its vLLM profile
 (`ours-vllm`), `vllm serve`, Ray Serve LLM on the same vLLM, and llama.cpp's server, each in
-its own environment from `bash scripts/peers.sh`, each serving the shipped SmolLM2-135M weights
-(llama.cpp the Q4_1 GGUF itself, vLLM its float32 copy as our target runs it), on loopback,
+its own environment from `bash scripts/peers.sh`, each serving our target's weights at its
+precision (the shipped SmolLM2-135M GGUF dequantized to float32), on loopback,
 started and stopped here one at a time so none competes with another for the cores.
 
 Load: guidellm 0.8.1 (a public OpenAI-API load generator; chosen over aiperf because it runs
@@ -39,7 +39,7 @@ REPORTS = RESULTS / "peers"
 SLO = {"ttft_ms": 1000.0, "tpot_ms": 200.0}
 RATES = {"chat": (0.5, 1.0), "shared_prefix": (0.5, 1.0), "repeats": (0.5, 1.0), "burst": (2.0, 4.0)}
 BURST_HEADERS = {"x-slo-tier": "interactive"}  # a TTFT objective, said the way this service takes it
-DEFAULT_SYSTEMS = ("ours", "ours-q4", "ours-vllm", "vllm", "ray-serve-llm", "llama.cpp")
+DEFAULT_SYSTEMS = ("ours", "ours-vllm", "vllm", "ray-serve-llm", "llama.cpp")
 
 
 def _scenario(base: str, model: str, data: Path, max_tokens: int, profile: dict, seconds: float,

@@ -2,7 +2,7 @@
 
 One process, one run, the same fp32 target for everything:
 - target alone: our decode loop without speculation;
-- ours: the speculative config shipped in serve_config.yaml (and, unless --quick, each
+- ours: the speculative config of configs/cpu-exact.yaml (and, unless --quick, each
   candidate proposer, so the shipped default is the measured winner);
 - HF assisted: `model.generate` with prompt lookup and with an int8 copy of the target as the
   assistant; per workload the faster of the two counts.
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from bench.stats import summary
 from bench.workloads import conversations
-from configs.serve_config import load_serve_config
+from configs.serve_config import CPU_EXACT_CONFIG, load_serve_config
 from engines.types import GenerateRequest, SamplingParams
 
 CANDIDATES = ("ngram", "draft_model", "ngram+draft_model")
@@ -200,10 +200,10 @@ def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
     from ingress.prompts import PromptBuilder
     from ingress.protocol import ChatMessage
 
-    serve_file = load_serve_config()
+    serve_file = load_serve_config(CPU_EXACT_CONFIG)
     stage = serve_file.args.target
     if stage.speculative.method == "none":
-        raise SystemExit("serve_config.yaml's target has speculative.method: none; nothing to measure")
+        raise SystemExit("configs/cpu-exact.yaml's target has speculative.method: none; nothing to measure")
     service = ModelService(stage)
     builder = PromptBuilder(service.engine.tokenizer)
     workloads = {

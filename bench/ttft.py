@@ -1,6 +1,6 @@
 """Suite `ttft`: time-to-first-token of the CPU engine with the prefix KV cache off and on.
 
-Two engines from serve_config.yaml's target (one with `prefix_cache.enabled: false`) serve the
+Two engines from configs/cpu-exact.yaml's target (one with `prefix_cache.enabled: false`) serve the
 same requests, alternating, in this process: TTFT here is the engine's prefill plus the first
 sample, what a replica adds to queueing. Workloads:
 - shared system prompt: a long system prompt (instructions + tool definitions), many questions;
@@ -24,7 +24,7 @@ import time
 from tqdm import tqdm
 
 from bench.stats import summary
-from configs.serve_config import load_serve_config
+from configs.serve_config import CPU_EXACT_CONFIG, load_serve_config
 
 SYSTEM = (
     "You are the support assistant of Nimbus Drive, a cloud storage product. Answer in at most three "
@@ -86,7 +86,7 @@ def _generate(engine, ids: list[int], max_tokens: int) -> tuple[float, str]:
 def run(requests: int | None = None, max_tokens: int = 16, quick: bool = False) -> dict:
     from target.service import ModelService
 
-    stage = load_serve_config().args.target.model_copy(deep=True)
+    stage = load_serve_config(CPU_EXACT_CONFIG).args.target.model_copy(deep=True)
     stage.engine.prefix_cache.enabled = False
     service = ModelService(stage)
     batching = _batching(service, quick)
@@ -103,7 +103,7 @@ def _precision(quick: bool) -> list[dict]:
     when fed float32's output (one early difference would otherwise hide the rest)."""
     from engines.transformers_engine import TransformersEngine
 
-    base = load_serve_config().args.target.engine.model_copy(deep=True)
+    base = load_serve_config(CPU_EXACT_CONFIG).args.target.engine.model_copy(deep=True)
     base.prefix_cache.enabled = False
     questions = QUESTIONS[: 4 if quick else 8]
     max_tokens = 32
@@ -154,7 +154,7 @@ def _precision(quick: bool) -> list[dict]:
 def _prefix(requests: int | None, max_tokens: int, quick: bool) -> dict:
     from engines.transformers_engine import TransformersEngine
 
-    config = load_serve_config().args.target.engine
+    config = load_serve_config(CPU_EXACT_CONFIG).args.target.engine
     off_config = config.model_copy(deep=True)
     off_config.prefix_cache.enabled = False
     engines = {"on": TransformersEngine(config), "off": TransformersEngine(off_config)}

@@ -115,6 +115,30 @@ the API tests against it.
     },
 )
 
+CPU_EXACT = Profile(
+    path="configs/cpu-exact.yaml",
+    header="""\
+The target in float32 on PyTorch (`transformers`), drafted by llama.cpp on the same GGUF: the
+answers are exactly the float32 model's (speculative decoding is lossless), at ~1/4 of the
+default's requests/s on a small CPU box (bench peers). For when the float32 answers matter.
+  .venv/bin/serve run configs/cpu-exact.yaml""",
+    args={
+        "target": {
+            "engine": Replace({
+                "model_id": "smollm2-135m-instruct", "source": _SMOLLM2, "dtype": "float32", "num_threads": 2,
+                "max_model_len": 2048, "max_batch_size": 16,
+            }),
+            "speculative": Replace({
+                "method": "ngram+draft_model", "placement": "colocated",
+                "draft_engine": {
+                    "kind": "llama_cpp", "model_id": "smollm2-135m-instruct-q4-draft", "source": _SMOLLM2,
+                    "max_model_len": 2048, "prefill_quant": "q8_0",
+                },
+            }),
+        },
+    },
+)
+
 _FRONT = {"resources": {"front": 0.01}}  # what every node offers: the light stages go anywhere
 CLUSTER = Profile(
     path="configs/cluster.yaml",
@@ -167,7 +191,7 @@ Serve's proxy runs on every node; the cache's scopes are split over its replicas
     },
 )
 
-PROFILES = (GPU, CPU_VLLM, CLUSTER)
+PROFILES = (GPU, CPU_VLLM, CPU_EXACT, CLUSTER)
 
 
 def _merge(base: Any, change: Any) -> Any:

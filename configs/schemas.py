@@ -113,6 +113,10 @@ class EngineConfig(_Strict):
         "GGUF requantized to this type, made once under cache_dir, and hand its KV back. llama.cpp has no batched "
         "kernels for Q4_1 on x86: ~5.5 ms/token against ~2.6 for q8_0, whose single-token decode is ~20% slower"
     )
+    weights: Literal["gguf", "q8_0", "f32"] = Field(
+        "gguf", description="llama_cpp: run the GGUF as shipped, or a copy requantized to this type (made once under "
+        "cache_dir). f32: the float32 model's answers (no quantized dot products), ~1.8x the decode time of Q4_1"
+    )
     cpu_repack: Literal["auto", "on", "off"] = Field(
         "auto", description="llama_cpp: ggml's extra CPU buffer types (weights repacked for AMX / wide SIMD "
         "kernels). auto: off on CPUs with AMX, where the bundled llama.cpp's AMX matmul crashed the replica "
@@ -129,6 +133,8 @@ class EngineConfig(_Strict):
     def _prefill_quant_is_llama_cpp(self) -> "EngineConfig":
         if self.prefill_quant is not None and self.kind != "llama_cpp":
             raise ValueError(f"prefill_quant is a llama_cpp setting; this engine is kind: {self.kind}")
+        if self.weights != "gguf" and self.kind != "llama_cpp":
+            raise ValueError(f"weights is a llama_cpp setting; this engine is kind: {self.kind}")
         if self.cpu_repack != "auto" and self.kind != "llama_cpp":
             raise ValueError(f"cpu_repack is a llama_cpp setting; this engine is kind: {self.kind}")
         return self

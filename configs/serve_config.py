@@ -17,6 +17,8 @@ from configs.schemas import AppArgs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SERVE_CONFIG = REPO_ROOT / "serve_config.yaml"
+# The float32 `transformers` target drafted by llama.cpp: what the engine-level suites and tests measure.
+CPU_EXACT_CONFIG = REPO_ROOT / "configs" / "cpu-exact.yaml"
 
 
 @dataclass

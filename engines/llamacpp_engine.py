@@ -123,10 +123,26 @@ class _Context:
 
 
 @dataclass
+class SlotReuse:
+    """Prompt tokens whose KV a slot already held: the counters `PrefixCache` keeps, for the
+    replica's stats and the prefix-cache metrics."""
+
+    lookups: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+    def stats(self) -> dict[str, float]:
+        rate = self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+        return {"prefix_lookups": self.lookups, "prefix_query_tokens": self.query_tokens,
+                "prefix_hit_tokens": self.hit_tokens, "prefix_hit_rate": round(rate, 4)}
+
+
+@dataclass
 class _SeqState:
     tokens: list[int] = field(default_factory=list)  # what this sequence logically holds
     slot: int | None = None
     salt: int = 0  # its tenant's: a slot's KV is reused only under the salt that filled it
+    reused: int = 0  # tokens the last evaluation found already in its slot
 
 
 class LlamaCppEngine(Engine):
@@ -139,6 +155,8 @@ class LlamaCppEngine(Engine):
         if not (source.package and source.gguf_file):
             raise ValueError("the llama_cpp engine needs a GGUF source (package + gguf_file)")
         gguf = str(package_dir(source.package) / source.gguf_file)
+        if config.weights != "gguf":
+            gguf = str(requantized_gguf(Path(gguf), config.weights, config.cache_dir))
         self.model_id = config.model_id
         # The HF tokenizer converted from the same GGUF: same ids, and it detokenizes for streaming.
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(source, config.cache_dir))
@@ -156,6 +174,7 @@ class LlamaCppEngine(Engine):
             self._models.append(_load_model(quant, repack))
             self._prefill = _Context(self._models[1], 1, config.max_model_len, config.num_threads)
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
+        self.prefix_cache = SlotReuse()
         self._held: list[list[int]] = [[] for _ in range(self.max_sequences)]  # tokens whose KV each slot holds
         self._owner: list[_SeqState | None] = [None] * self.max_sequences
         self._last_used = [0.0] * self.max_sequences
@@ -184,8 +203,15 @@ class LlamaCppEngine(Engine):
         return Sequence(_SeqState(salt=salt), salt)
 
     def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        prompt = seq.length == 0  # not a catch-up
         self._append(seq, token_ids)
-        return torch.from_numpy(self._run([seq.kv], 1)[0])
+        logits = self._run([seq.kv], 1)[0]
+        if prompt:
+            seq.reused = seq.kv.reused  # prompt tokens whose KV a slot already held
+            self.prefix_cache.lookups += 1
+            self.prefix_cache.query_tokens += len(token_ids)
+            self.prefix_cache.hit_tokens += seq.reused
+        return torch.from_numpy(logits)
 
     def score(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
         self._append(seq, token_ids)
@@ -246,6 +272,7 @@ class LlamaCppEngine(Engine):
             if start < len(held):
                 self._ctx.drop(slot, start)
                 del held[start:]
+            state.reused = start
             todo = state.tokens[start:]
             if len(states) == 1 and want == 1 and self._prefill is not None and len(todo) >= PREFILL_MIN_TOKENS:
                 return [self._eval_on_prefill_context(slot, state.tokens, start)]

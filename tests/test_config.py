@@ -14,8 +14,8 @@ from configs.serve_config import DEFAULT_SERVE_CONFIG, load_serve_config
 STAGES = {"Ingress", "AdmissionController", "SemanticCache", "Router", "TargetModel", "DraftModel"}
 
 
-def _raw_args() -> dict:
-    return yaml.safe_load(DEFAULT_SERVE_CONFIG.read_text())["applications"][0]["args"]
+def _raw_args(path=DEFAULT_SERVE_CONFIG) -> dict:
+    return yaml.safe_load(path.read_text())["applications"][0]["args"]
 
 
 def test_serve_config_is_valid_and_lists_every_stage():
@@ -109,7 +109,9 @@ def test_model_source_needs_exactly_one_origin():
 
 
 def test_speculation_knobs_that_would_silently_do_nothing_are_rejected():
-    base = _raw_args()
+    from configs.serve_config import CPU_EXACT_CONFIG
+
+    base = _raw_args(CPU_EXACT_CONFIG)  # a transformers target with a co-located draft model
     no_k = copy.deepcopy(base)
     no_k["target"]["speculative"]["adaptive"] = False
     with pytest.raises(ValidationError, match="fixed_k"):
@@ -130,6 +132,10 @@ def test_speculation_knobs_that_would_silently_do_nothing_are_rejected():
     repack["target"]["engine"]["cpu_repack"] = "off"
     with pytest.raises(ValidationError, match="cpu_repack is a llama_cpp setting"):
         AppArgs.model_validate(repack)
+    weights = copy.deepcopy(base)
+    weights["target"]["engine"]["weights"] = "f32"
+    with pytest.raises(ValidationError, match="weights is a llama_cpp setting"):
+        AppArgs.model_validate(weights)
 
 
 def test_served_model_ids_must_exist():

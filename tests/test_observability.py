@@ -54,8 +54,10 @@ def _metrics_text() -> tuple[str, str]:
 
 def test_every_metric_is_on_the_prometheus_endpoint_after_one_request(service):
     client = service.openai(api_key=ONE_SHOT_KEY)
+    # An answer that quotes its prompt: prompt lookup drafts it, so the speculation counters move.
+    quote = f"Repeat this sentence exactly: the quick brown fox {uuid.uuid4().hex[:6]} jumps over the lazy dog."
     stream = client.chat.completions.create(
-        model=TARGET, messages=_unique_question(), temperature=0, max_tokens=16, stream=True
+        model=TARGET, messages=[{"role": "user", "content": quote}], temperature=0, max_tokens=24, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     with pytest.raises(openai.RateLimitError):  # this tenant's second request is shed: 429

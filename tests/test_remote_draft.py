@@ -20,7 +20,12 @@ PROMPTS = [
 def remote_app(service):
     from deployments.local import another_app, free_port
 
+    from configs.serve_config import CPU_EXACT_CONFIG, load_serve_config
+
     args = service.config.args.model_copy(deep=True)
+    # The float32 target of cpu-exact.yaml: a draft model pays against it (the shipped target
+    # runs the same GGUF on llama.cpp itself).
+    args.target = load_serve_config(CPU_EXACT_CONFIG).args.target.model_copy(deep=True)
     args.target.speculative.method = "draft_model"
     args.target.speculative.placement = "remote"
     args.target.speculative.draft_engine = None

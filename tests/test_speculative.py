@@ -17,6 +17,15 @@ from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
 
 
+@pytest.fixture(scope="module")
+def serve_file():
+    """The `transformers` target (float32, drafted by llama.cpp) these tests exercise:
+    configs/cpu-exact.yaml, serve_config.yaml with that target."""
+    from configs.serve_config import CPU_EXACT_CONFIG, load_serve_config
+
+    return load_serve_config(CPU_EXACT_CONFIG)
+
+
 def _llama_config(serve_file) -> EngineConfig:
     return serve_file.args.target.speculative.draft_engine
 

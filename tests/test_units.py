@@ -24,6 +24,15 @@ from semantic_cache.keys import exact_key
 
 
 @pytest.fixture(scope="module")
+def serve_file():
+    """The `transformers` target (float32, drafted by llama.cpp) these tests exercise:
+    configs/cpu-exact.yaml, serve_config.yaml with that target."""
+    from configs.serve_config import CPU_EXACT_CONFIG, load_serve_config
+
+    return load_serve_config(CPU_EXACT_CONFIG)
+
+
+@pytest.fixture(scope="module")
 def engine(serve_file):
     from engines.transformers_engine import TransformersEngine
 
