@@ -1,7 +1,11 @@
 """The four workloads `bench peers` drives every system with, as datasets for the load tool.
 
-Each is a JSON-lines file of rows `{"messages": [...]}`: guidellm sends `messages` as they are
-(string content, which every peer's chat template accepts). The answer length is one budget per
+Each is a JSON-lines file of rows `{"messages": [...], "relative_timestamp": t}`: guidellm sends
+`messages` as they are (string content, which every peer's chat template accepts) at `t` seconds
+after the start (its `replay` profile): Poisson arrivals drawn here from a seed, so every system
+gets the very same arrivals. (guidellm 0.8.1's own `poisson` profile seeds each worker process
+alike, so the gaps come in runs of one value, and fires its first requests at once.) Every row
+is unique (a ticket or reference number in the text) except where `repeats` repeats one. The answer length is one budget per
 workload (`OUTPUT_TOKENS`, sent as `max_tokens` with `ignore_eos`): llama.cpp's server reads
 neither guidellm's per-row `max_completion_tokens` nor `ignore_eos`, so a per-row budget would
 give it less work than the others. Built deterministically from a seed, so every system sees
@@ -92,12 +96,13 @@ def _chat_row(rng: random.Random) -> dict:
         content = f"{_paragraphs(rng, rng.randint(1, 2))}\n\n{rng.choice(_PASTE_ASKS)}"
     else:
         content = f"{_paragraphs(rng, rng.randint(4, 6))}\n\n{rng.choice(_PASTE_ASKS)}"
-    return {"messages": [{"role": "user", "content": content}]}
+    return {"messages": [{"role": "user", "content": f"{content} (ref {rng.randrange(10**6):06d})"}]}
 
 
 def _shared_prefix_row(rng: random.Random) -> dict:
     turns = rng.randint(1, 4)
-    messages = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": rng.choice(_SUPPORT_TURNS)}]
+    opening = f"Ticket {rng.randrange(10**6):06d}. {rng.choice(_SUPPORT_TURNS)}"
+    messages = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": opening}]
     for _ in range(turns - 1):
         messages += [{"role": "assistant", "content": _CANNED}, {"role": "user", "content": rng.choice(_SUPPORT_FOLLOW)}]
     return {"messages": messages}
@@ -122,7 +127,8 @@ def _repeats_rows(rng: random.Random, n: int) -> list[dict]:
             row = {"messages": [{"role": "user", "content": a}]}
             pending.append(b)
         else:
-            row = {"messages": [{"role": "user", "content": rng.choice(_ASKS).format(t=rng.choice(_TOPICS))}]}
+            ask = rng.choice(_ASKS).format(t=rng.choice(_TOPICS))
+            row = {"messages": [{"role": "user", "content": f"{ask} (ref {rng.randrange(10**6):06d})"}]}
         rows.append(row)
         asked.append(row)
     return rows
@@ -139,7 +145,19 @@ def build(name: str, n: int = 400, seed: int = 0) -> list[dict]:
     raise ValueError(f"unknown workload {name!r}; one of {WORKLOADS}")
 
 
-def write(workload: str, folder: Path, n: int = 400, seed: int = 0, name: str | None = None) -> Path:
+def write(workload: str, folder: Path, seed: int = 0, name: str | None = None, rate: float | None = None,
+          seconds: float | None = None, n: int = 400) -> Path:
+    """The workload's rows as a file; with `rate` and `seconds`, only the rows that arrive within
+    `seconds` of a Poisson process at `rate` per second, each with its arrival time."""
+    rows = build(workload, n, seed)
+    if rate is not None and seconds is not None:
+        arrivals, t, clock = [], 0.0, random.Random(f"arrivals:{workload}:{seed}")
+        while True:
+            t += clock.expovariate(rate)
+            if t >= seconds or len(arrivals) == len(rows):
+                break
+            arrivals.append(t)
+        rows = [{**row, "relative_timestamp": round(at, 3)} for row, at in zip(rows, arrivals)]
     path = folder / f"{name or workload}.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in build(workload, n, seed)))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
