@@ -227,7 +227,7 @@ def run(quick: bool = False, systems: str | None = None, **_: object) -> dict:
                 entry["error"] = str(exc)[-1500:]
                 print(f"{name}: {entry['error']}")
             log = work / f"{name}.log"
-            if log.exists():
+            if "error" in entry and log.exists():  # the system's own output, to see why
                 shutil.copy(log, REPORTS / f"{name}.log")
             result["systems"][name] = entry
     result["capacity"] = capacity

@@ -119,7 +119,7 @@ CPU_EXACT = Profile(
     path="configs/cpu-exact.yaml",
     header="""\
 The target in float32 on PyTorch (`transformers`), drafted by llama.cpp on the same GGUF: the
-answers are exactly the float32 model's (speculative decoding is lossless), at ~1/4 of the
+answers are exactly the float32 model's (speculative decoding is lossless), at ~1/3 of the
 default's requests/s on a small CPU box (bench peers). For when the float32 answers matter.
   .venv/bin/serve run configs/cpu-exact.yaml""",
     args={

@@ -1,0 +1,71 @@
+"""`bench peers`: the workloads every system gets, and how one point is read from guidellm's report.
+
+The suite itself needs the peers' environments (`bash scripts/peers.sh`) and an hour; these
+check what must hold for its comparison to be fair, without running it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.peer_workloads import WORKLOADS, build, write
+
+
+@pytest.mark.parametrize("workload", ["chat", "shared_prefix", "burst"])
+def test_every_row_is_unique_so_no_cache_answers_a_workload_that_has_no_repeats(workload):
+    rows = build(workload, 400, seed=5)
+    assert len({json.dumps(r["messages"]) for r in rows}) == len(rows)
+    assert build(workload, 400, seed=5) == rows, "the same seed gives every system the same rows"
+    assert build(workload, 400, seed=6) != rows
+
+
+def test_the_repeat_stream_repeats_about_a_tenth_word_for_word_and_asks_others_in_other_words():
+    from semantic_cache.evalset import PARAPHRASES
+
+    rows = build("repeats", 400, seed=0)
+    texts = [r["messages"][-1]["content"] for r in rows]
+    repeated = len(texts) - len(set(texts))
+    assert 0.05 * len(rows) <= repeated <= 0.15 * len(rows), repeated
+    firsts = {a for a, _ in PARAPHRASES}
+    reworded = [b for a, b in PARAPHRASES if b in texts and a in texts and texts.index(a) < texts.index(b)]
+    assert len(reworded) >= 0.05 * len(rows), len(reworded)
+    assert sum(t in firsts for t in texts) >= len(reworded)
+
+
+def test_shared_prefix_rows_share_one_system_prompt_and_follow_up_up_to_four_turns():
+    rows = build("shared_prefix", 200, seed=1)
+    assert len({r["messages"][0]["content"] for r in rows}) == 1
+    turns = {sum(m["role"] == "user" for m in r["messages"]) for r in rows}
+    assert turns == {1, 2, 3, 4}
+
+
+def test_arrivals_are_a_seeded_poisson_process_inside_the_window(tmp_path):
+    path = write("chat", tmp_path, seed=3, rate=2.0, seconds=100.0)
+    times = [json.loads(line)["relative_timestamp"] for line in path.read_text().splitlines()]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 100.0
+    assert 150 <= len(times) <= 250, len(times)  # 2/s for 100 s
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(set(gaps)) > 0.9 * len(gaps), "gaps repeat: not independent draws"
+    again = write("chat", tmp_path, seed=3, rate=2.0, seconds=100.0, name="again")
+    assert again.read_text() == path.read_text()
+
+
+def test_a_point_counts_requests_left_running_as_missing_the_objective():
+    from bench.peers import summarize
+
+    report = {"benchmarks": [{"duration": 80.0, "metrics": {
+        "request_totals": {"successful": 8, "errored": 1, "incomplete": 1},
+        "slo_attainment": 6 / 9, "slo_determined_requests": 9,
+        "request_goodput": {"successful": {"mean": 0.075}},
+        "requests_per_second": {"successful": {"mean": 0.1}},
+        "output_tokens_per_second": {"successful": {"mean": 6.4}},
+        "time_to_first_token_ms": {"successful": {"median": 300.0, "mean": 350.0, "percentiles": {"p99": 900.0}}},
+        "inter_token_latency_ms": {"successful": {"median": 40.0, "mean": 41.0, "percentiles": {"p99": 60.0}}},
+        "request_latency": {"successful": {"median": 3.0, "mean": 3.1, "percentiles": {"p99": 4.0}}},
+    }}]}
+    point = summarize(report)
+    assert point["conforming"] == 6 and point["conforming_of_sent"] == 0.6
+    assert point["e2e_ms"]["p50"] == 3000.0 and point["ttft_ms"]["p99"] == 900.0
+    assert set(WORKLOADS) == {"chat", "shared_prefix", "repeats", "burst"}
