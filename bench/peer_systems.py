@@ -212,9 +212,11 @@ class LlamaCppServer(PeerSystem):
     engine = "llama.cpp server (llama-cpp-python[server] 0.3.36), the GGUF as F32 (our target's weights), 2 threads"
 
     def command(self) -> list[str]:
+        from configs.serve_config import load_serve_config
         from engines.model_store import requantized_gguf
 
-        weights = requantized_gguf(gguf_path(), "f32")  # the copy our target runs: same weights, same precision
+        target = load_serve_config().args.target.engine  # the file our target runs: same weights, same precision
+        weights = gguf_path() if target.weights == "gguf" else requantized_gguf(gguf_path(), target.weights)
         return [str(self._need(PEERS / "llamacpp" / "bin" / "python")), "-m", "llama_cpp.server",
                 "--model", str(weights), "--model_alias", MODEL, "--host", "127.0.0.1",
                 "--port", str(self.port), "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 2),
