@@ -298,6 +298,47 @@ def test_llama_engine_decodes_several_sequences_in_one_pass_as_it_does_them_alon
     assert [int(torch.argmax(r)) for r in rows] == [alone[i][1] for i in range(3)]
 
 
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
+def test_llama_engine_copies_a_prefix_held_by_a_running_sequence(serve_file, unified):
+    """A prompt whose prefix a running sequence's slot holds takes it by copy (both KV layouts:
+    per-sequence streams, and the unified pool a prefill copy needs), answers as a cold prefill
+    does on the float32 target, leaves the running sequence intact, and never copies across
+    tenants (salts)."""
+    from engines.llamacpp_engine import LlamaCppEngine
+
+    config = serve_file.args.target.engine.model_copy(update={"max_sequences": 3, "prefill_quant": "q8_0" if unified else None})
+    engine = LlamaCppEngine(config)
+    assert engine._ctx.unified is unified
+    system = engine.tokenizer.encode("You are a support assistant for a cloud storage company. " * 6)
+    # questions of 16+ tokens: with a prefill copy (unified) every way evaluates them on it
+    first = system + engine.tokenizer.encode(" Q: How do I share a folder with my family and keep it private from others?")
+    second = system + engine.tokenizer.encode(" Q: Can I get a refund for last month if I cancel my plan today, please?")
+
+    def greedy(prompt, n=6, keep=False):
+        seq = engine.new_sequence()
+        out = [int(torch.argmax(engine.prefill(seq, prompt)))]
+        for _ in range(n - 1):
+            out.append(int(torch.argmax(engine.decode_step(seq, out[-1]))))
+        if not keep:
+            engine.release(seq)
+        return out, seq
+
+    cold, _ = greedy(second)  # each from an empty cache, as the running one starts
+    engine.forget_prefixes()
+    first_alone, _ = greedy(first, 7)
+    engine.forget_prefixes()
+    running_out, running = greedy(first, keep=True)  # still owns its slot
+    copies = engine.prefix_cache.copies
+    copied, seq = greedy(second)
+    assert engine.prefix_cache.copies == copies + 1 and seq.reused >= len(system) - 1
+    assert copied == cold
+    # the running sequence decodes on as if nothing happened
+    assert int(torch.argmax(engine.decode_step(running, running_out[-1]))) == first_alone[-1]
+    other_tenant = engine.new_sequence(salt=7)
+    engine.prefill(other_tenant, second)
+    assert other_tenant.reused == 0 and engine.prefix_cache.copies == copies + 1
+
+
 def test_draft_sessions_recompute_when_state_is_missing(spec_service):
     sessions = DraftSessions(spec_service.draft_engine, max_sessions=1)
     params = SamplingParams(max_tokens=8, temperature=0.0)
