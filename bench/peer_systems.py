@@ -170,7 +170,7 @@ class _OurStack(PeerSystem):
 
 @register("ours")
 class OurDefault(_OurStack):
-    engine = "the whole graph, serve_config.yaml as shipped (llama.cpp F32 target, batched; llama.cpp Q4_1 small model)"
+    engine = "the whole graph, serve_config.yaml as shipped (llama.cpp F32 target, batched; llama.cpp BF16 small model)"
 
 
 @register("ours-vllm")

@@ -86,7 +86,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     log.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
 
 
-_GGUF_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "f32": "LLAMA_FTYPE_ALL_F32"}
+_GGUF_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "f32": "LLAMA_FTYPE_ALL_F32"}
 
 
 def requantized_gguf(gguf_path: Path, quant: str, cache_dir: str | None = None) -> Path:

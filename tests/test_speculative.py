@@ -681,3 +681,23 @@ def test_cpu_repack_off_loads_without_extra_buffer_types_and_the_engine_runs(ser
     logits = engine.prefill(seq, engine.tokenizer.encode("The capital of France is"))
     assert engine.tokenizer.decode([int(torch.argmax(logits))]).strip() == "Paris"
     engine.release(seq)
+
+
+def test_the_shipped_small_model_answers_as_float32_does():
+    """The default's small model (the GGUF in bf16) gives the float32 target's greedy answer to a
+    question a newcomer asks first; Q4_1's quantized activations answered "L'Étoile, …"."""
+    from configs.serve_config import load_serve_config
+    from engines.llamacpp_engine import LlamaCppEngine
+
+    args = load_serve_config().args
+    answers = []
+    for config in (args.draft.engine, args.target.engine):
+        engine = LlamaCppEngine(config.model_copy(update={"max_sequences": 1}))
+        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+        seq = engine.new_sequence()
+        out = [int(torch.argmax(engine.prefill(seq, ids)))]
+        for _ in range(7):
+            out.append(int(torch.argmax(engine.decode_step(seq, out[-1]))))
+        answers.append(engine.tokenizer.decode(out))
+    assert "Paris" in answers[0] and answers[0] == answers[1], answers
