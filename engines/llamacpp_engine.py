@@ -319,14 +319,18 @@ class LlamaCppEngine(Engine):
         self._last_used[slot] = time.monotonic()
         return slot
 
+    def _shared_prefix(self, slot: int, state: _SeqState) -> int:
+        """Tokens of `state`'s prompt whose KV `slot` holds, for the same tenant only."""
+        return _common_prefix(self._held[slot], state.tokens) if self._salt[slot] == state.salt else 0
+
     def _copy_prefix(self, slot: int, state: _SeqState, common: int) -> None:
         """Take a longer prefix of the prompt from another slot of the same tenant, running or
         not, instead of computing it again: a shared system prompt is prefilled once, not once per
         slot that serves it."""
         best, source = common + COPY_MIN_TOKENS, None
         for other in range(self.max_sequences):
-            if other != slot and self._salt[other] == state.salt and len(self._held[other]) >= best:
-                n = _common_prefix(self._held[other], state.tokens)
+            if other != slot and len(self._held[other]) >= best:
+                n = self._shared_prefix(other, state)
                 if n >= best:
                     best, source = n, other
         if source is None:
@@ -340,7 +344,7 @@ class LlamaCppEngine(Engine):
         candidates = free or list(range(self.max_sequences))
         best, best_common = candidates[0], -1
         for i in candidates:  # prefer the slot sharing the longest prefix, then the LRU one
-            common = _common_prefix(self._held[i], state.tokens) if self._salt[i] == state.salt else 0
+            common = self._shared_prefix(i, state)
             if common > best_common or (common == best_common and self._last_used[i] < self._last_used[best]):
                 best, best_common = i, common
         return best
