@@ -60,7 +60,7 @@ def _load_model(path: str, repack: bool):
 class _Context:
     """One llama.cpp context over `model` with `n_seq` sequences of up to `n_ctx` tokens each."""
 
-    def __init__(self, model, n_seq: int, n_ctx: int, threads: int, unified: bool = False) -> None:
+    def __init__(self, model, n_seq: int, n_ctx: int, threads: int) -> None:
         import llama_cpp as lib
 
         self.lib = lib
@@ -68,11 +68,12 @@ class _Context:
         params.n_ctx = n_ctx * n_seq
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_seq_max = n_seq
-        # A stream of n_ctx cells per sequence: attention reads only its own sequence's cells. In
-        # one unified pool every token's attention spans the cells of all slots, masked (a 150-token
-        # prefill beside 7 slots of 440 tokens: 362 ms unified, 304 ms per-sequence streams). Only
-        # a unified pool takes a sequence's KV from another context (`restore`).
-        params.kv_unified = self.unified = unified
+        # One pool of cells for all sequences: a pass over any set of them is one micro-batch. With
+        # a stream per sequence, llama.cpp puts only consecutive sequence ids in a micro-batch, and
+        # each reads all the weights: 4 sequences decoding in slots 0, 2, 4, 6 took 94 ms a step,
+        # in slots 0-3 35 ms (36 and 37 ms in one pool). The pool costs attention over every
+        # slot's cells, masked: 8 decoding at 300 tokens each, 54 ms a step vs 48.
+        params.kv_unified = True
         params.n_threads = params.n_threads_batch = threads
         self.ctx = lib.llama_init_from_model(model, params)
         if not self.ctx:
@@ -105,13 +106,10 @@ class _Context:
         self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
 
     def copy(self, src: int, dst: int, n: int) -> None:
-        """`dst` holds `src`'s first `n` positions (whatever it held before is dropped)."""
-        if self.unified:  # cells shared by both sequences: no copy
-            self.drop(dst, 0)
-            self.lib.llama_memory_seq_cp(self.memory, src, dst, 0, n)
-        else:  # per-sequence streams copy whole (at the next decode), then the tail goes
-            self.lib.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
-            self.drop(dst, n)
+        """`dst` holds `src`'s first `n` positions (whatever it held before is dropped); the
+        cells are shared by both sequences, not copied."""
+        self.drop(dst, 0)
+        self.lib.llama_memory_seq_cp(self.memory, src, dst, 0, n)
 
     def set_threads(self, threads: int) -> None:
         if threads != self.threads:
@@ -183,13 +181,12 @@ class LlamaCppEngine(Engine):
         self.cores = CoreShare(config.num_threads, share_cores)
         self.max_sequences = config.max_sequences
         self._models = [_load_model(gguf, repack)]
-        self._ctx = _Context(self._models[0], self.max_sequences, config.max_model_len, config.num_threads,
-                             unified=bool(config.prefill_quant))
+        self._ctx = _Context(self._models[0], self.max_sequences, config.max_model_len, config.num_threads)
         self._prefill: _Context | None = None
         if config.prefill_quant:
             quant = str(requantized_gguf(Path(gguf), config.prefill_quant, config.cache_dir))
             self._models.append(_load_model(quant, repack))
-            self._prefill = _Context(self._models[1], 1, config.max_model_len, config.num_threads, unified=True)
+            self._prefill = _Context(self._models[1], 1, config.max_model_len, config.num_threads)
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.prefix_cache = SlotReuse()
         self._held: list[list[int]] = [[] for _ in range(self.max_sequences)]  # tokens whose KV each slot holds
@@ -295,8 +292,7 @@ class LlamaCppEngine(Engine):
                 return [self._eval_on_prefill_context(slot, state.tokens, start)]
             items += [(slot, start + i, t, i >= len(todo) - want) for i, t in enumerate(todo)]
             held.extend(todo)
-        self._pick_threads(self._ctx)
-        return self._ctx.eval(items)
+        return self._eval(self._ctx, items)
 
     def _bind(self, state: _SeqState) -> int:
         if state.slot is not None and self._owner[state.slot] is state:
@@ -355,17 +351,18 @@ class LlamaCppEngine(Engine):
         pre.drop(0, 0)
         if start:
             pre.restore(self._ctx.export(slot), 0)
-        self._pick_threads(pre)
         last = len(tokens) - start - 1
-        logits = pre.eval([(0, start + i, t, i == last) for i, t in enumerate(tokens[start:])])[0]
+        logits = self._eval(pre, [(0, start + i, t, i == last) for i, t in enumerate(tokens[start:])])[0]
         self._ctx.restore(pre.export(0), slot)
         self._held[slot] = list(tokens)
         return logits
 
-    def _pick_threads(self, ctx: _Context) -> None:
-        """All threads on an idle box, one beside a busy one (host_tuning/cores.py)."""
-        if self.cores.enabled:
-            ctx.set_threads(self.cores.threads())
+    def _eval(self, ctx: _Context, items: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+        """One pass, on the threads the box can give it (host_tuning/cores.py): all of them on an
+        idle box or for a long run of tokens, one beside a busy box."""
+        with self.cores.forward_pass(len(items)) as threads:
+            ctx.set_threads(threads)
+            return ctx.eval(items)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -298,19 +298,17 @@ def test_llama_engine_decodes_several_sequences_in_one_pass_as_it_does_them_alon
     assert [int(torch.argmax(r)) for r in rows] == [alone[i][1] for i in range(3)]
 
 
-@pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
-def test_llama_engine_copies_a_prefix_held_by_a_running_sequence(serve_file, unified):
-    """A prompt whose prefix a running sequence's slot holds takes it by copy (both KV layouts:
-    per-sequence streams, and the unified pool a prefill copy needs), answers as a cold prefill
-    does on the float32 target, leaves the running sequence intact, and never copies across
-    tenants (salts)."""
+@pytest.mark.parametrize("prefill_quant", [None, "q8_0"], ids=["plain", "prefill_copy"])
+def test_llama_engine_copies_a_prefix_held_by_a_running_sequence(serve_file, prefill_quant):
+    """A prompt whose prefix a running sequence's slot holds takes it by copy (with and without
+    a prefill copy of the weights), answers as a cold prefill does on the float32 target, leaves
+    the running sequence intact, and never copies across tenants (salts)."""
     from engines.llamacpp_engine import LlamaCppEngine
 
-    config = serve_file.args.target.engine.model_copy(update={"max_sequences": 3, "prefill_quant": "q8_0" if unified else None})
+    config = serve_file.args.target.engine.model_copy(update={"max_sequences": 3, "prefill_quant": prefill_quant})
     engine = LlamaCppEngine(config)
-    assert engine._ctx.unified is unified
     system = engine.tokenizer.encode("You are a support assistant for a cloud storage company. " * 6)
-    # questions of 16+ tokens: with a prefill copy (unified) every way evaluates them on it
+    # questions of 16+ tokens: with a prefill copy every way evaluates them on it
     first = system + engine.tokenizer.encode(" Q: How do I share a folder with my family and keep it private from others?")
     second = system + engine.tokenizer.encode(" Q: Can I get a refund for last month if I cancel my plan today, please?")
 
