@@ -107,6 +107,7 @@ the API tests against it.
             }),
             "speculative": Replace({"method": "none"}),
         },
+        "draft": {"engine": {"num_threads": 1}},  # vLLM's threads are not in the pass lock: one beside them
         "ingress": {"overlap_cache_lookup": False},
     },
     env_vars={
@@ -136,6 +137,7 @@ default's requests/s on a small CPU box (bench peers). For when the float32 answ
                 },
             }),
         },
+        "draft": {"engine": {"num_threads": 1}},  # torch's threads are not in the pass lock: one beside them
     },
 )
 
@@ -151,7 +153,7 @@ Cluster profile: the CPU graph across Ray nodes. Every node offers the custom re
 Serve's proxy runs on every node; the cache's scopes are split over its replicas
 (ScopeShardRouter); side channels are off. docs/cluster.md; tests/test_cluster.py runs it on a
 3-node cluster on one machine (deployments/local_cluster.py).""",
-    args={"host_tuning": {"enabled": False}},
+    args={"host_tuning": {"enabled": False}, "draft": {"engine": {"num_threads": 1}}},  # beside the target, no pass lock
     top={"proxy_location": "EveryNode"},
     deployments={
         "Ingress": {

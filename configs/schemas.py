@@ -493,8 +493,10 @@ class HostTuningConfig(_Strict):
         19, ge=0, le=19, description="OS niceness of the model replicas' compute threads, a level (not an increment)"
     )
     share_cores: bool = Field(
-        True, description="a CPU engine's forward pass runs on all its threads only while other processes use "
-        "under 0.35 cores, else on one: two threads beside a busy model stall at every barrier",
+        True, description="the CPU engines on a box take turns for its cores: a prompt's pass runs alone on all "
+        "its threads, a decode step on all of them only while no other engine is in a pass, else on one (two "
+        "threads beside a busy model stall at every barrier); engines without the pass lock (torch) go by the "
+        "others' load (under 0.35 cores: all threads)",
     )
     side_channels: bool = Field(
         True, description="an ingress calls the cache and model replicas on its node over Unix sockets "

@@ -268,6 +268,8 @@ class ModelService:
         if cores is not None and cores.enabled:  # forward passes on all threads / on one beside a busy box
             out["passes_all_threads"] = cores.passes["all"]
             out["passes_one_thread"] = cores.passes["one"]
+            out["passes_alone"] = cores.passes["alone"]  # long passes, on all threads while other engines wait
+            out["pass_lock_wait_ms"] = round(cores.waited_ms)  # this replica's passes waiting for others
         return out
 
     # ------------------------------------------------------------------ requests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -186,6 +187,66 @@ def test_a_forward_pass_runs_on_one_thread_while_another_process_keeps_a_core_bu
         readings.append(round(load.cores, 2))
     assert min(readings) < BUSY_CORES, f"our own passes read as {readings} cores of others"
     assert one_pass() == 2
+
+_HOLDER = """
+import sys, time
+from host_tuning.cores import PassLock
+lock = PassLock(sys.argv[1])
+print("ready", time.monotonic(), flush=True)
+with (lock.alone() if sys.argv[2] == "alone" else lock.beside()):
+    print("in", time.monotonic(), flush=True)
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+def _other_engine(path: str, how: str, seconds: float):
+    """Another engine's pass over the same lock, in another process (as another model replica)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, path, how, str(seconds)], stdout=subprocess.PIPE,
+                            text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.stdout.readline().startswith("ready")
+    return proc
+
+
+def _entered(proc) -> float:
+    line = proc.stdout.readline().split()
+    assert line and line[0] == "in", f"the other engine's pass never started: {line}"
+    return float(line[1])
+
+
+def test_a_long_pass_runs_alone_on_every_core_and_a_short_one_beside_another_engines_on_one(tmp_path):
+    """host_tuning/cores.py's pass lock, across processes as between model replicas: a decode
+    step beside another engine's pass runs on one thread at once; alone on the box, on all; a
+    prompt's long pass waits for the passes under way, then runs on all threads while the
+    other engines' passes wait for it."""
+    from host_tuning.cores import EXCLUSIVE_MIN_TOKENS, CoreShare, PassLock
+
+    path = str(tmp_path / "cores")
+    cores = CoreShare(2, enabled=True)
+    cores.lock = PassLock(path)
+    with cores.forward_pass(8) as threads:
+        assert threads == 2, "alone on the box, a decode step takes both cores"
+    other = _other_engine(path, "beside", 0.6)
+    try:
+        _entered(other)
+        start = time.monotonic()
+        with cores.forward_pass(8) as threads:
+            assert threads == 1 and time.monotonic() - start < 0.3, "beside a pass: one thread, at once"
+        with cores.forward_pass(EXCLUSIVE_MIN_TOKENS) as threads:
+            waited = time.monotonic() - start
+            assert threads == 2 and waited >= 0.3, f"a long pass waits for the one under way ({waited:.2f} s)"
+    finally:
+        other.wait(timeout=10)
+    with cores.forward_pass(EXCLUSIVE_MIN_TOKENS) as threads:
+        other = _other_engine(path, "beside", 0)
+        time.sleep(0.5)
+        ended = time.monotonic()
+    assert threads == 2 and _entered(other) >= ended, "another engine's step waited for the long pass"
+    other.wait(timeout=10)
+    assert cores.passes == {"all": 1, "one": 1, "alone": 2}
+
 
 def test_a_prefill_beside_the_cache_lookup_leaves_a_core_free_until_the_moment_then_takes_both(serve_file):
     """Host tuning's lookup window: the prefill runs on one thread while the ingress's
