@@ -158,10 +158,6 @@ class PassLock:
         finally:
             fcntl.flock(self._passes, fcntl.LOCK_UN)
 
-    def close(self) -> None:
-        for fd in (self._turnstile, self._passes):
-            os.close(fd)
-
 
 class CoreShare:
     """The thread count for the next forward pass: `max_threads` on an otherwise idle box or for
