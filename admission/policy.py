@@ -111,13 +111,15 @@ class AdmissionPolicy:
 
     def move_to_other(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:
         """Should a model=auto request leave the model the router chose for the other one?
-        Up to the large model when the small one can't take it and the large one can start it
-        now with its first token clearly in time: a better answer beats a 503, not a late one.
+        Up to the large model when the small one can't start it now in time (it would queue for
+        a seat, be late, or shed it) and the large one can, with its first token clearly in time:
+        a request waiting for the small model's seats while the large one has free ones is
+        latency thrown away, and a better answer beats a 503, not a late one.
         Down to the small model (tiers with `downgrade` only) when the large one would shed it,
         or take it (an idle box takes anything) but miss its deadlines or cut its first token
         close: if the small one is clearly in time, or would take what the large one would shed."""
         if not to_small:
-            return not self.gate.would_meet(routed) and self.gate.in_time(other, DOWNGRADE_TTFT_HEADROOM)
+            return not self.gate.in_time(routed) and self.gate.in_time(other, DOWNGRADE_TTFT_HEADROOM)
         if not downgrade or self.gate.in_time(routed, DOWNGRADE_TTFT_HEADROOM):
             return False
         return self.gate.in_time(other, DOWNGRADE_TTFT_HEADROOM) or (

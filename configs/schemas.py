@@ -229,7 +229,9 @@ class RouterConfig(_Strict):
         description="inline: the ingress routes in-process (microseconds, no hop); remote: ask the Router deployment",
     )
     auto_model_id: str = "auto"
-    small_max_prompt_tokens: int = Field(256, ge=0, description="longer prompts go to the large model")
+    small_max_prompt_tokens: int = Field(
+        256, ge=0, description="longer prompts go to the large model (counted without the system prompt: an "
+        "app's standing instructions, which the engines keep as a cached prefix)")
     small_max_output_tokens: int = Field(128, ge=0, description="a requested max_tokens above this goes large")
     small_max_turns: int = Field(4, ge=0, description="user turns in the conversation")
     hard_keywords: list[str] = Field(

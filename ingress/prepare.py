@@ -51,6 +51,7 @@ class Prepared:
     tier: TierConfig
     mode: Mode
     chars: int = 0  # characters of message content or prompt: how long tokenizing it takes
+    system_text: str = ""  # the system (and developer) messages: standing instructions, not the task
     prompt_ids: list[int] = field(default_factory=list)  # filled by _tokenize
     vector: Any = None  # the request's embedding (from the cache lookup, or made here): router and write
     lookup_done: asyncio.Event = field(default_factory=asyncio.Event)  # the cache lookup is over (or skipped)
@@ -166,9 +167,11 @@ class Preparer:
             turns = [_turn(m) for m in req.messages]
             users = [t["content"] for t in turns if t["role"] == "user"]
             last_user, user_turns = (users[-1] if users else ""), len(users)
+            system_text = "\n".join(t["content"] for t in turns if t["role"] in ("system", "developer"))
         else:
             turns = [{"role": "prompt", "content": json.dumps(req.prompt)}]
             last_user, user_turns = (req.prompt if isinstance(req.prompt, str) else ""), 1
+            system_text = ""
         sampling = SamplingParams(
             max_tokens=0,  # the budget needs the prompt's length: _tokenize sets it
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -241,6 +244,7 @@ class Preparer:
             tier=tier or self.admission.tier(ctx),
             mode=mode or self.args.admission.mode,
             chars=chars,
+            system_text=system_text,
             tools=tools,
         )
 
@@ -266,7 +270,10 @@ class Preparer:
         if cap is not None and p.sampling.max_tokens > cap:
             p.notes["x-max-tokens-clamped"] = f"{p.sampling.max_tokens}->{cap}; tier={p.ctx.tier}"
             p.sampling.max_tokens = cap
-        p.features.prompt_tokens = len(p.prompt_ids)
+        # The router judges the conversation: a long system prompt is an app's standing
+        # instructions (and a prefix the engines keep), not a sign of a hard request.
+        system = len(builder.tokenizer.encode(p.system_text, add_special_tokens=False)) if p.system_text else 0
+        p.features.prompt_tokens = max(0, len(p.prompt_ids) - system)
 
     def _trim(self, p: Prepared, builder: PromptBuilder, budget: int) -> None:
         """Over the tier's input budget: drop the oldest turns (never the system prompt or the

@@ -12,7 +12,7 @@ class RouteFeatures:
     """What a router may look at. Built once in the ingress, cheap to ship across a hop."""
 
     requested_model: str
-    prompt_tokens: int
+    prompt_tokens: int  # the prompt's tokens outside its system message(s)
     max_tokens: int  # what the client asked for; 0 when it left the limit to the server
     user_turns: int
     last_user_message: str
