@@ -230,8 +230,8 @@ class RouterConfig(_Strict):
     )
     auto_model_id: str = "auto"
     small_max_prompt_tokens: int = Field(
-        256, ge=0, description="longer prompts go to the large model (counted without the system prompt: an "
-        "app's standing instructions, which the engines keep as a cached prefix)")
+        256, ge=0, description="longer prompts go to the large model (counted without a system prompt seen "
+        "before: an app's standing instructions, which the engines keep as a cached prefix)")
     small_max_output_tokens: int = Field(128, ge=0, description="a requested max_tokens above this goes large")
     small_max_turns: int = Field(4, ge=0, description="user turns in the conversation")
     hard_keywords: list[str] = Field(

@@ -5,7 +5,9 @@ to the tier's input budget and the model's context window. Every failure is a 4x
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,9 +81,30 @@ class Prepared:
 INLINE_TOKENIZE_CHARS = 8192
 
 
+class StandingPrompts:
+    """System messages this ingress has seen before, per tenant: an app's standing instructions,
+    which the router does not count as the request's length. A system message seen for the first
+    time (a RAG app's retrieved context in it, say) counts. Only hashes are kept, at most `size`."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    def seen_before(self, tenant: str | None, text: str) -> bool:
+        key = hashlib.blake2b(f"{tenant}\0{text}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        if key in self._seen:
+            self._seen.move_to_end(key)
+            return True
+        self._seen[key] = None
+        if len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+        return False
+
+
 class Preparer:
     def __init__(self, args: AppArgs, prompts: dict[str, PromptBuilder], admission: AdmissionPolicy) -> None:
         self.args = args
+        self.standing = StandingPrompts()
         self.prompts = prompts  # model id -> prompt builder ("auto" uses the target's)
         self.admission = admission
         self.max_model_len = {
@@ -270,9 +293,11 @@ class Preparer:
         if cap is not None and p.sampling.max_tokens > cap:
             p.notes["x-max-tokens-clamped"] = f"{p.sampling.max_tokens}->{cap}; tier={p.ctx.tier}"
             p.sampling.max_tokens = cap
-        # The router judges the conversation: a long system prompt is an app's standing
+        # The router judges the conversation: a system prompt seen before is an app's standing
         # instructions (and a prefix the engines keep), not a sign of a hard request.
-        system = len(builder.tokenizer.encode(p.system_text, add_special_tokens=False)) if p.system_text else 0
+        system = 0
+        if p.system_text and self.standing.seen_before(p.ctx.tenant, p.system_text):
+            system = len(builder.tokenizer.encode(p.system_text, add_special_tokens=False))
         p.features.prompt_tokens = max(0, len(p.prompt_ids) - system)
 
     def _trim(self, p: Prepared, builder: PromptBuilder, budget: int) -> None:

@@ -385,7 +385,8 @@ def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats
 
 
 def test_the_router_counts_a_prompt_without_its_system_message(serve_file, tokenizer, embedder):
-    """A long system prompt and a short question is not a long prompt; a long question is."""
+    """A long system prompt seen before and a short question is not a long prompt; a long
+    question is, and so is a long system message seen for the first time."""
     from ingress.context import context_from_headers
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
@@ -403,7 +404,10 @@ def test_the_router_counts_a_prompt_without_its_system_message(serve_file, token
         pipeline.preparer.tokenize(p)
         return len(p.prompt_ids), p.features.prompt_tokens
 
-    total, judged = features([{"role": "system", "content": rules}, {"role": "user", "content": "How do I reset my password?"}])
+    ask = [{"role": "system", "content": rules}, {"role": "user", "content": "How do I reset my password?"}]
+    total, judged = features(ask)  # a system message seen for the first time counts (RAG context, say)
+    assert judged == total > args.router.small_max_prompt_tokens
+    total, judged = features(ask)  # seen before: the app's standing instructions
     assert total > args.router.small_max_prompt_tokens >= judged and judged < 40
     total, judged = features([{"role": "user", "content": rules + "How do I reset my password?"}])
     assert judged == total > args.router.small_max_prompt_tokens
