@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,21 +85,35 @@ INLINE_TOKENIZE_CHARS = 8192
 class StandingPrompts:
     """System messages this ingress has seen before, per tenant: an app's standing instructions,
     which the router does not count as the request's length. A system message seen for the first
-    time (a RAG app's retrieved context in it, say) counts. Only hashes are kept, at most `size`."""
+    time (a RAG app's retrieved context in it, say) counts. Keeps a hash and the token count of
+    at most `size`, so a repeat costs a hash, not a second tokenization. Thread-safe: long
+    prompts are tokenized off the event loop."""
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size
-        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._seen: OrderedDict[bytes, int | None] = OrderedDict()  # hash -> tokens (None: seen once)
+        self._lock = threading.Lock()
 
-    def seen_before(self, tenant: str | None, text: str) -> bool:
+    def tokens(self, tenant: str | None, text: str, count: Callable[[str], int]) -> int:
+        """`text`'s token count if it was seen before for `tenant`, else 0 (and remember it)."""
         key = hashlib.blake2b(f"{tenant}\0{text}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        if key in self._seen:
-            self._seen.move_to_end(key)
-            return True
-        self._seen[key] = None
-        if len(self._seen) > self.size:
-            self._seen.popitem(last=False)
-        return False
+        with self._lock:
+            known = key in self._seen
+            n = self._seen.get(key)
+            if known:
+                self._seen.move_to_end(key)
+            else:
+                self._seen[key] = None
+                if len(self._seen) > self.size:
+                    self._seen.popitem(last=False)
+        if not known:
+            return 0
+        if n is None:
+            n = count(text)
+            with self._lock:
+                if key in self._seen:
+                    self._seen[key] = n
+        return n
 
 
 class Preparer:
@@ -295,9 +310,9 @@ class Preparer:
             p.sampling.max_tokens = cap
         # The router judges the conversation: a system prompt seen before is an app's standing
         # instructions (and a prefix the engines keep), not a sign of a hard request.
-        system = 0
-        if p.system_text and self.standing.seen_before(p.ctx.tenant, p.system_text):
-            system = len(builder.tokenizer.encode(p.system_text, add_special_tokens=False))
+        system = self.standing.tokens(
+            p.ctx.tenant, p.system_text, lambda text: len(builder.tokenizer.encode(text, add_special_tokens=False))
+        ) if p.system_text else 0
         p.features.prompt_tokens = max(0, len(p.prompt_ids) - system)
 
     def _trim(self, p: Prepared, builder: PromptBuilder, budget: int) -> None:

@@ -411,3 +411,18 @@ def test_the_router_counts_a_prompt_without_its_system_message(serve_file, token
     assert total > args.router.small_max_prompt_tokens >= judged and judged < 40
     total, judged = features([{"role": "user", "content": rules + "How do I reset my password?"}])
     assert judged == total > args.router.small_max_prompt_tokens
+
+
+def test_a_standing_system_prompt_is_tokenized_once_and_kept_per_tenant():
+    from ingress.prepare import StandingPrompts
+
+    calls = []
+    count = lambda text: calls.append(text) or len(text.split())  # noqa: E731
+    standing = StandingPrompts(size=2)
+    rules = "be brief and kind"
+    assert standing.tokens("a", rules, count) == 0  # first sight counts as the request's own
+    assert standing.tokens("a", rules, count) == 4 and standing.tokens("a", rules, count) == 4
+    assert calls == [rules]  # repeats cost a hash, not a tokenization
+    assert standing.tokens("b", rules, count) == 0  # another tenant's sight is its own
+    standing.tokens("c", "other", count)  # over `size`: the least recent goes
+    assert standing.tokens("a", rules, count) == 0
