@@ -42,6 +42,8 @@ def build_api(pipeline: Pipeline) -> FastAPI:
     async def models(request: Request) -> Response:
         try:
             pipeline.authorize(request)
+            if not pipeline.ready:
+                await pipeline.wait_ready()
         except APIError as err:
             return err.response()
         return JSONResponse(pipeline.models())

@@ -241,7 +241,7 @@ class Pipeline:
         shed: str | None = None
         try:
             if not self.ready:
-                await self._warm_up()
+                await self.wait_ready()
             ctx = context_from_headers(request.headers, self.keys.identify(request.headers))
             mode = self.admission.mode(request.headers)
             tier = self.admission.tier(ctx)
@@ -328,7 +328,7 @@ class Pipeline:
         rate limits as for a chat, the vectors made on the embedder's own thread."""
         try:
             if not self.ready:
-                await self._warm_up()
+                await self.wait_ready()
             ctx = context_from_headers(request.headers, self.keys.identify(request.headers))
             self.admission.precheck_tenant(ctx)
             body = await self.preparer.read_json(request)
@@ -359,9 +359,11 @@ class Pipeline:
             ))
         return await asyncio.shield(self._embedder_loading)
 
-    async def _warm_up(self) -> None:
+    async def wait_ready(self) -> None:
         """Before every stage answers: wait for it up to `ingress.warmup_wait_s`, then a 503
-        that says so (never a deadline or load message: nothing is known of either yet)."""
+        that says so (never a deadline or load message: nothing is known of either yet).
+        `/v1/models` waits too: a client that polls it before its first request (load tools
+        do) would otherwise send that request ~1.3 s before the stages answer."""
         deadline = time.monotonic() + self.args.ingress.warmup_wait_s
         while not self.ready and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -58,6 +58,8 @@ def test_a_request_during_warm_up_waits_for_it_or_is_told_so(serve_file, tokeniz
             assert told.status_code == 503 and told.json()["error"]["code"] == "warming_up", told.text
             assert told.headers["retry-after"]
             assert (await http.get("/health")).json()["status"] == "warming"
+            listed = await http.get("/v1/models")  # a readiness poll is not told "ready" early
+            assert listed.status_code == 503 and listed.json()["error"]["code"] == "warming_up", listed.text
 
             async def warm_soon():
                 await asyncio.sleep(0.1)
@@ -67,5 +69,10 @@ def test_a_request_during_warm_up_waits_for_it_or_is_told_so(serve_file, tokeniz
             waited = await http.post("/v1/chat/completions", json=body)
             await warming
             assert waited.status_code == 200, waited.text
+            pipeline.ready = False
+            warming = asyncio.ensure_future(warm_soon())
+            listed = await http.get("/v1/models")
+            await warming
+            assert listed.status_code == 200 and listed.json()["data"], listed.text
 
     asyncio.run(scenario())
