@@ -3,13 +3,21 @@
 The shipped fp32 target *is* the dequantized Q4_1 GGUF, so llama.cpp computes nearly the same
 function ~5x faster on this CPU: the ideal draft, and a fast small-model engine.
 
-One llama.cpp context holds every sequence's KV cache, each under its own sequence id (a slot),
-so the decode steps of several requests run as one batch (`decode_batch`): the weights are read
-once per step for all of them (2 threads here: 121 tok/s for one sequence, 170 for four, 231 for
-eight on Q4_1). A sequence binds to a slot when it runs; if another sequence took that slot
-meanwhile, it re-evaluates its tokens (always correct, only slower). A released slot keeps its
-KV, so a new sequence that shares a prefix with it skips that part of the prefill. `score`
-evaluates a run of tokens in one pass with logits at each, which verifying a draft needs.
+One llama.cpp context holds every sequence's KV cache, each in its own slot (a sequence id with
+its own stream of cells), so the decode steps of several requests run as one batch
+(`decode_batch`): the weights are read once per step for all of them (2 threads here: 121 tok/s
+for one sequence, 170 for four, 231 for eight on Q4_1). A sequence binds to a slot when it runs;
+if another sequence took that slot meanwhile, it re-evaluates its tokens (always correct, only
+slower). A released slot keeps its KV, so a new sequence that shares a prefix with it skips that
+part of the prefill. `score` evaluates a run of tokens in one pass with logits at each, which
+verifying a draft needs.
+
+Running sequences are kept in the lowest slots, with no gaps (`_pack`): llama.cpp evaluates a
+batch in one pass only over consecutive sequence ids, each run of them reading the weights
+again. A stream per slot means a pass attends to its own sequences' cells only; in one shared
+pool every pass attended over (and masked) every slot's cells: with 16 slots of 500 tokens, a
+150-token prefill took 398 ms instead of 250, a step of 8 sequences 61 ms instead of 47
+(F32, 2 cores).
 
 llama.cpp has no batched x86 kernels for Q4_1, so a long run of tokens evaluates ~2x slower per
 token than in Q8_0, whose single-token decode is in turn ~20% slower. With `prefill_quant`, runs
@@ -68,12 +76,10 @@ class _Context:
         params.n_ctx = n_ctx * n_seq
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_seq_max = n_seq
-        # One pool of cells for all sequences: a pass over any set of them is one micro-batch. With
-        # a stream per sequence, llama.cpp puts only consecutive sequence ids in a micro-batch, and
-        # each reads all the weights: 4 sequences decoding in slots 0, 2, 4, 6 took 94 ms a step,
-        # in slots 0-3 35 ms (36 and 37 ms in one pool). The pool costs attention over every
-        # slot's cells, masked: 8 decoding at 300 tokens each, 54 ms a step vs 48.
-        params.kv_unified = True
+        # A stream of cells per sequence (see the module docstring): a micro-batch holds only
+        # consecutive sequence ids (4 sequences in slots 0, 2, 4, 6 took 93 ms a step, in 0-3
+        # 34 ms), so the engine keeps running sequences in consecutive slots.
+        params.kv_unified = False
         params.n_threads = params.n_threads_batch = threads
         self.ctx = lib.llama_init_from_model(model, params)
         if not self.ctx:
@@ -105,11 +111,14 @@ class _Context:
         """Forget `seq`'s KV from position `start` on."""
         self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
 
-    def copy(self, src: int, dst: int, n: int) -> None:
-        """`dst` holds `src`'s first `n` positions (whatever it held before is dropped); the
-        cells are shared by both sequences, not copied."""
-        self.drop(dst, 0)
-        self.lib.llama_memory_seq_cp(self.memory, src, dst, 0, n)
+    def copy(self, src: int, dst: int, n: int | None = None) -> None:
+        """`dst` holds `src`'s first `n` positions (all of them: None); whatever it held before
+        is dropped. Through llama.cpp's per-sequence state (its cells, written at once): its
+        `seq_cp` between streams copies only at the next pass, and an export before that pass
+        (the prefill copy's) read the old data."""
+        self.restore(self.export(src), dst)
+        if n is not None:
+            self.drop(dst, n)
 
     def set_threads(self, threads: int) -> None:
         if threads != self.threads:
@@ -186,8 +195,11 @@ class LlamaCppEngine(Engine):
         if config.prefill_quant:
             quant = str(requantized_gguf(Path(gguf), config.prefill_quant, config.cache_dir))
             self._models.append(_load_model(quant, repack))
-            self._prefill = _Context(self._models[1], 1, config.max_model_len, config.num_threads)
+            # As many streams as the decoding context: llama.cpp moves a sequence's KV only
+            # between contexts of the same stream count. Only its first is used.
+            self._prefill = _Context(self._models[1], self.max_sequences, config.max_model_len, config.num_threads)
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
+        self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
         self.prefix_cache = SlotReuse()
         self._held: list[list[int]] = [[] for _ in range(self.max_sequences)]  # tokens whose KV each slot holds
         self._owner: list[_SeqState | None] = [None] * self.max_sequences
@@ -257,6 +269,7 @@ class LlamaCppEngine(Engine):
         state: _SeqState = seq.kv
         if state.slot is not None and self._owner[state.slot] is state:
             self._owner[state.slot] = None  # its KV stays: a later prompt may share the prefix
+            self._pack(state.slot)
         state.slot = None
 
     def forget_prefixes(self) -> None:
@@ -279,6 +292,16 @@ class LlamaCppEngine(Engine):
         """Evaluate what each sequence's slot lacks, in one pass; logits after each one's last
         `want` tokens, in order. A lone prompt runs on the prefill copy when there is one."""
         slots = [self._bind(state) for state in states]
+        if len(states) > 1:  # in slot order: consecutive ids make one pass (module docstring)
+            order = sorted(range(len(states)), key=slots.__getitem__)
+            logits = self._run_in_order([states[i] for i in order], [slots[i] for i in order], want)
+            out: list[np.ndarray] = [None] * len(logits)  # type: ignore[list-item]
+            for rank, i in enumerate(order):
+                out[i * want : (i + 1) * want] = logits[rank * want : (rank + 1) * want]
+            return out
+        return self._run_in_order(states, slots, want)
+
+    def _run_in_order(self, states: list[_SeqState], slots: list[int], want: int) -> list[np.ndarray]:
         items: list[tuple[int, int, int, bool]] = []
         for state, slot in zip(states, slots):
             held = self._held[slot]
@@ -336,14 +359,35 @@ class LlamaCppEngine(Engine):
         self.prefix_cache.copies += 1
 
     def _pick_slot(self, state: _SeqState) -> int:
+        """The lowest free slot, so that running sequences stay consecutive: it takes over the
+        longest prefix of the prompt that another slot holds (`_copy_prefix` in `_bind`). With
+        every slot running, the one sharing the longest prefix, then the least recently used."""
         free = [i for i, owner in enumerate(self._owner) if owner is None]
-        candidates = free or list(range(self.max_sequences))
-        best, best_common = candidates[0], -1
-        for i in candidates:  # prefer the slot sharing the longest prefix, then the LRU one
+        if free:
+            return free[0]
+        best, best_common = 0, -1
+        for i in range(self.max_sequences):
             common = self._shared_prefix(i, state)
             if common > best_common or (common == best_common and self._last_used[i] < self._last_used[best]):
                 best, best_common = i, common
         return best
+
+    def _pack(self, freed: int) -> None:
+        """A slot below a running sequence fell free: the highest running sequence moves into
+        it (~2 ms for 400 tokens), so the running ones stay consecutive. The freed slot's own
+        KV is lost for reuse; the moved sequence's stays behind in its old slot for it."""
+        high = max((i for i, owner in enumerate(self._owner) if owner is not None), default=-1)
+        if high <= freed:
+            return
+        mover = self._owner[high]
+        assert mover is not None
+        self._ctx.copy(high, freed)
+        self._held[freed] = list(self._held[high])
+        self._salt[freed] = self._salt[high]
+        self._last_used[freed] = self._last_used[high]
+        self._owner[freed], self._owner[high] = mover, None
+        mover.slot = freed
+        self.moves += 1
 
     def _eval_on_prefill_context(self, slot: int, tokens: list[int], start: int) -> np.ndarray:
         """Evaluate tokens[start:] on the requantized copy, then move the KV into `slot`."""

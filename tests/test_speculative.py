@@ -298,6 +298,53 @@ def test_llama_engine_decodes_several_sequences_in_one_pass_as_it_does_them_alon
     assert [int(torch.argmax(r)) for r in rows] == [alone[i][1] for i in range(3)]
 
 
+def test_llama_engine_keeps_running_sequences_in_consecutive_slots(serve_file):
+    """llama.cpp evaluates a batch in one pass only over consecutive sequence ids: when a
+    sequence below running ones ends, the highest running one moves into its slot and decodes
+    on exactly as it would have; a new sequence takes the next slot up."""
+    from engines.llamacpp_engine import LlamaCppEngine
+
+    engine = LlamaCppEngine(_llama_config(serve_file).model_copy(update={"max_sequences": 4, "prefill_quant": None}))
+    prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "One, two, three,",
+                                                    "def add(a, b):\n    return")]
+
+    def start() -> tuple[list, list[int]]:
+        seqs = [engine.new_sequence() for _ in prompts]
+        return seqs, [int(torch.argmax(engine.prefill(s, p))) for s, p in zip(seqs, prompts)]
+
+    seqs, nxt = start()
+    expected = [[n] for n in nxt]
+    for _ in range(6):
+        nxt = [int(torch.argmax(r)) for r in engine.decode_batch(seqs, nxt)]
+        for out, n in zip(expected, nxt):
+            out.append(n)
+    for s in seqs:
+        engine.release(s)
+    engine.forget_prefixes()
+
+    seqs, nxt = start()
+    assert [s.kv.slot for s in seqs] == [0, 1, 2]
+    got = [[n] for n in nxt]
+    for _ in range(2):
+        nxt = [int(torch.argmax(r)) for r in engine.decode_batch(seqs, nxt)]
+        for out, n in zip(got, nxt):
+            out.append(n)
+    moves = engine.moves
+    engine.release(seqs[0])  # the lowest ends: the highest running one moves into its slot
+    assert engine.moves == moves + 1 and [seqs[1].kv.slot, seqs[2].kv.slot] == [1, 0]
+    live, nxt = seqs[1:], nxt[1:]
+    for _ in range(4):
+        nxt = [int(torch.argmax(r)) for r in engine.decode_batch(live, nxt)]
+        for out, n in zip(got[1:], nxt):
+            out.append(n)
+    assert got[1:] == expected[1:]
+    newcomer = engine.new_sequence()
+    engine.prefill(newcomer, prompts[0])
+    assert newcomer.kv.slot == 2 and engine.evictions == 0
+    for s in (*live, newcomer):
+        engine.release(s)
+
+
 @pytest.mark.parametrize("prefill_quant", [None, "q8_0"], ids=["plain", "prefill_copy"])
 def test_llama_engine_copies_a_prefix_held_by_a_running_sequence(serve_file, prefill_quant):
     """A prompt whose prefix a running sequence's slot holds takes it by copy (with and without
