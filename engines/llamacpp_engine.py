@@ -360,11 +360,19 @@ class LlamaCppEngine(Engine):
 
     def _pick_slot(self, state: _SeqState) -> int:
         """The lowest free slot, so that running sequences stay consecutive: it takes over the
-        longest prefix of the prompt that another slot holds (`_copy_prefix` in `_bind`). With
-        every slot running, the one sharing the longest prefix, then the least recently used."""
+        longest prefix of the prompt that another slot holds (`_copy_prefix` in `_bind`). The KV
+        it kept for reuse, where the prompt would overwrite it, moves to the free slot that is
+        empty or least recently used, if that one is older (~2 ms): a tenant's next turn or
+        prompt finds it there. With every slot running, the one sharing the longest prefix,
+        then the least recently used."""
         free = [i for i, owner in enumerate(self._owner) if owner is None]
         if free:
-            return free[0]
+            lowest = free[0]
+            if len(free) > 1 and len(self._held[lowest]) > self._shared_prefix(lowest, state):
+                spare = min(free[1:], key=lambda i: (len(self._held[i]) > 0, self._last_used[i]))
+                if not self._held[spare] or self._last_used[spare] < self._last_used[lowest]:
+                    self._move_kv(lowest, spare)
+            return lowest
         best, best_common = 0, -1
         for i in range(self.max_sequences):
             common = self._shared_prefix(i, state)
@@ -381,13 +389,17 @@ class LlamaCppEngine(Engine):
             return
         mover = self._owner[high]
         assert mover is not None
-        self._ctx.copy(high, freed)
-        self._held[freed] = list(self._held[high])
-        self._salt[freed] = self._salt[high]
-        self._last_used[freed] = self._last_used[high]
+        self._move_kv(high, freed)
         self._owner[freed], self._owner[high] = mover, None
         mover.slot = freed
         self.moves += 1
+
+    def _move_kv(self, src: int, dst: int) -> None:
+        """`dst` holds what `src` holds (`src` keeps it too)."""
+        self._ctx.copy(src, dst)
+        self._held[dst] = list(self._held[src])
+        self._salt[dst] = self._salt[src]
+        self._last_used[dst] = self._last_used[src]
 
     def _eval_on_prefill_context(self, slot: int, tokens: list[int], start: int) -> np.ndarray:
         """Evaluate tokens[start:] on the requantized copy, then move the KV into `slot`."""
