@@ -77,7 +77,7 @@ class _Context:
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_seq_max = n_seq
         # A stream of cells per sequence (see the module docstring): a micro-batch holds only
-        # consecutive sequence ids (4 sequences in slots 0, 2, 4, 6 took 93 ms a step, in 0-3
+        # consecutive sequence ids (4 sequences in slots 1, 5, 9, 13 took 93 ms a step, in 0-3
         # 34 ms), so the engine keeps running sequences in consecutive slots.
         params.kv_unified = False
         params.n_threads = params.n_threads_batch = threads
@@ -196,7 +196,8 @@ class LlamaCppEngine(Engine):
             quant = str(requantized_gguf(Path(gguf), config.prefill_quant, config.cache_dir))
             self._models.append(_load_model(quant, repack))
             # As many streams as the decoding context: llama.cpp moves a sequence's KV only
-            # between contexts of the same stream count. Only its first is used.
+            # between contexts of the same stream count. Only its first is used; the others
+            # cost their KV memory (cpu-exact's draft: ~140 MB more at 4 sequences).
             self._prefill = _Context(self._models[1], self.max_sequences, config.max_model_len, config.num_threads)
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
