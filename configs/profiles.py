@@ -107,9 +107,11 @@ the API tests against it.
             }),
             "speculative": Replace({"method": "none"}),
         },
-        "draft": {"engine": {"num_threads": 1}},  # vLLM's threads are not in the pass lock: one beside them
-        # On one thread the small model prefills ~2.5x slower than vLLM: it takes short prompts only.
+        "draft": {"engine": {"num_threads": 1, "max_sequences": 4}},  # vLLM's threads are not in the pass lock
+        # On one thread the small model prefills ~2.5x slower than vLLM: it takes short prompts only,
+        # and a busy box does not send it everything (vLLM is the faster engine under load).
         "router": {"small_max_prompt_tokens": 64},
+        "host_tuning": {"busy_box_small_from": 0},
         "ingress": {"overlap_cache_lookup": False},
     },
     env_vars={
@@ -139,7 +141,10 @@ default's requests/s on a small CPU box (bench peers). For when the float32 answ
                 },
             }),
         },
-        "draft": {"engine": {"num_threads": 1}},  # torch's threads are not in the pass lock: one beside them
+        # torch's threads are not in the pass lock: the small model on one thread beside them, and a
+        # busy box does not send it everything.
+        "draft": {"engine": {"num_threads": 1, "max_sequences": 4}},
+        "host_tuning": {"busy_box_small_from": 0},
     },
 )
 
@@ -155,7 +160,7 @@ Cluster profile: the CPU graph across Ray nodes. Every node offers the custom re
 Serve's proxy runs on every node; the cache's scopes are split over its replicas
 (ScopeShardRouter); side channels are off. docs/cluster.md; tests/test_cluster.py runs it on a
 3-node cluster on one machine (deployments/local_cluster.py).""",
-    args={"host_tuning": {"enabled": False}, "draft": {"engine": {"num_threads": 1}}},  # beside the target, no pass lock
+    args={"host_tuning": {"enabled": False}, "draft": {"engine": {"num_threads": 1, "max_sequences": 4}}},  # beside the target
     top={"proxy_location": "EveryNode"},
     deployments={
         "Ingress": {

@@ -508,6 +508,11 @@ class HostTuningConfig(_Strict):
         True, description="a prefill that starts beside the cache lookup keeps to one thread until the lookup's "
         "embedding is done (host_tuning/lookup_window.py)",
     )
+    busy_box_small_from: int = Field(
+        2, ge=0, description="requests running on the box's models from which an auto request whose tier may "
+        "downgrade goes to the small model while it has a free seat: two CPU engines side by side slow each "
+        "other's batched steps ~2x (host_tuning/busy_box.py); 0: route by difficulty at any load",
+    )
 
     @property
     def front_level(self) -> int | None:
@@ -528,6 +533,10 @@ class HostTuningConfig(_Strict):
     @property
     def window(self) -> bool:
         return self.enabled and self.lookup_window
+
+    @property
+    def small_from(self) -> int | None:
+        return self.busy_box_small_from if self.enabled and self.busy_box_small_from > 0 else None
 
 
 class AuthConfig(_Strict):

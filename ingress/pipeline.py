@@ -49,6 +49,7 @@ from admission.policy import AdmissionPolicy
 from admission.request import RequestContext
 from configs.schemas import AppArgs
 from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest
+from host_tuning.busy_box import BusyBox
 from host_tuning.lookup_window import LookupWindow
 from ingress import choices, embeddings
 from ingress.auth import KeyRing
@@ -105,6 +106,12 @@ def _upgrade(p: Prepared, large: str) -> RouteDecision:
     """Send the request to the large model: the small one the router chose can't take it."""
     p.notes["x-admission"] = "upgraded; the small model could not take the request at this load"
     return RouteDecision(large, "deadline_upgrade")
+
+
+def _busy_downgrade(p: Prepared, small: str) -> RouteDecision:
+    """Send the request to the small model: the box is busy, and its models share the cores."""
+    p.notes["x-admission"] = "downgraded; the box is busy and its models share the cores: the small model serves it"
+    return RouteDecision(small, "busy_box_downgrade")
 
 
 def _downgrade(p: Prepared, small: str) -> RouteDecision:
@@ -191,6 +198,7 @@ class Pipeline:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         # Host tuning: a model call started beside the lookup leaves the lookup a core.
         self.lookup_window = LookupWindow(args.host_tuning.window)
+        self.busy_box = BusyBox(args.host_tuning.small_from)  # busy: one engine on the shared cores
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
         near = args.cache.model_copy(update={"max_entries": max(1, args.cache.near_entries), "ttl_s": args.cache.near_ttl_s})
@@ -693,7 +701,13 @@ class Pipeline:
             return Permit(None), decision
         ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
         large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
-        if p.requested_model == self.args.router.auto_model_id and decision.model_id in (large, small):
+        auto = p.requested_model == self.args.router.auto_model_id
+        if auto and decision.model_id == large and p.tier.downgrade and self.busy_box.to_small(
+            self.gate.concurrency(), self.gate.seat_free(small)
+        ):
+            decision = _busy_downgrade(p, small)
+            ticket = self.admission.ticket(small, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
+        if auto and decision.model_id in (large, small):
             to_small = decision.model_id == large
             other = small if to_small else large
             alt = self.admission.ticket(other, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)

@@ -352,6 +352,64 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     assert shed.value.kind == "shed"
 
 
+def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_seat(serve_file, tokenizer, embedder):
+    """host_tuning: both models share the box's cores, so under load the small model takes what
+    its tier lets it take; a named model, a tier without downgrade, a full small model, a quiet
+    box, or the mechanism off keep the router's choice."""
+    from admission.gate import Ticket
+    from ingress.context import context_from_headers
+    from ingress.pipeline import Pipeline
+    from ingress.prompts import PromptBuilder
+    from router.base import RouteDecision
+
+    def pipeline_with(small_from: int) -> Pipeline:
+        args = serve_file.args.model_copy(deep=True)
+        args.host_tuning.busy_box_small_from = small_from
+        builder = PromptBuilder(tokenizer)
+        large, small = args.target.engine.model_id, args.draft.engine.model_id
+        pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
+        for model in (large, small):  # both in time: no deadline move either way
+            pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0)
+            pipeline.admission.estimates[model].itl.add(1, 20.0)
+        return pipeline
+
+    serve_args = serve_file.args
+    large, small = serve_args.target.engine.model_id, serve_args.draft.engine.model_id
+    assert serve_args.host_tuning.small_from == 2  # the default CPU profile has it on
+
+    def admit(pipeline: Pipeline, model: str = "auto", headers: dict | None = None):
+        ctx = context_from_headers(headers or {})
+        p = pipeline.preparer.prepare("chat", {"model": model, "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+                                               "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
+                                      "predictive")
+        pipeline.preparer.tokenize(p)
+
+        async def go():
+            permit, decision = await asyncio.wait_for(pipeline._admit(p, RouteDecision(model if model != "auto" else large,
+                                                                                        "classifier_hard")), 5)
+            permit.release()
+            return decision.model_id, decision.reason, p.notes.get("x-admission", "")
+        return asyncio.run(go())
+
+    pipeline = pipeline_with(2)
+    assert admit(pipeline)[:2] == (large, "classifier_hard")  # a quiet box: the router's choice
+    pipeline.gate.running.add(Ticket(large, "standard", 0, 10, 10))
+    assert admit(pipeline)[:2] == (large, "classifier_hard")  # one running: still quiet
+    pipeline.gate.running.add(Ticket(large, "standard", 0, 10, 10))
+    model, reason, note = admit(pipeline)
+    assert (model, reason) == (small, "busy_box_downgrade") and note.startswith("downgraded")
+    assert admit(pipeline, large)[:2] == (large, "classifier_hard")  # a named model is honored
+    assert admit(pipeline, headers={"x-slo-tier": "batch"})[:2] == (large, "classifier_hard")  # no downgrade
+    pipeline.gate.seats = {small: 1, large: 8}
+    pipeline.gate.running.add(Ticket(small, "standard", 0, 10, 10))  # the small model's one seat taken
+    assert admit(pipeline)[:2] == (large, "classifier_hard")
+
+    off = pipeline_with(0)
+    for _ in range(3):
+        off.gate.running.add(Ticket(large, "standard", 0, 10, 10))
+    assert admit(off)[:2] == (large, "classifier_hard")
+
+
 def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats(serve_file, tokenizer, embedder):
     """Standard tier (no first-token target, may queue): the small model's seats are taken and
     the large model is free, so it starts on the large one now instead of waiting for a seat."""

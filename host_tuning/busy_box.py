@@ -1,0 +1,27 @@
+"""On a busy box, auto requests go to the small model: one engine at a time on shared cores.
+
+On a small CPU box both models' replicas run on the same cores. Two engines decoding side by
+side each get about one core, and a batched decode step is compute: in `bench peers`' 2x burst
+(2 cores) the float32 target's step of 8 sequences took ~95 ms beside the bf16 small model
+(~40 ms alone), the small model's step of 4 ~48 ms (~20 alone). So once `from_running`
+requests run on the box's models, an auto request whose tier may be downgraded goes to the
+small model while it has a free seat, and the large model finishes what it runs and leaves the
+cores to it. Admission may still send it back up (the small model predicted to miss the
+deadline where the large one would not). A lightly loaded box routes by difficulty.
+
+The same burst, one session, goodput under the SLO: 1.22 req/s routed by difficulty and load
+alone; 1.58 from 4 requests running; 1.73 from 2, as much as sending every request to the
+small model (1.73). Chat at half capacity moved 3 of 21 requests, shared-prefix chat at
+capacity kept its goodput (1.01 against 1.00) with a lower TTFT p50 (240 against 270 ms).
+"""
+
+from __future__ import annotations
+
+
+class BusyBox:
+    def __init__(self, from_running: int | None) -> None:
+        self.from_running = from_running  # None: off (GPU profiles, or host tuning off)
+
+    def to_small(self, running: int, small_seat_free: bool) -> bool:
+        """Send a downgradable auto request bound for the large model to the small one?"""
+        return self.from_running is not None and running >= self.from_running and small_seat_free
