@@ -22,6 +22,9 @@ class BusyBox:
     def __init__(self, from_running: int | None) -> None:
         self.from_running = from_running  # None: off (GPU profiles, or host tuning off)
 
-    def to_small(self, running: int, small_seat_free: bool) -> bool:
-        """Send a downgradable auto request bound for the large model to the small one?"""
-        return self.from_running is not None and running >= self.from_running and small_seat_free
+    def to_small(self, gate, small_model_id: str) -> bool:
+        """Send a downgradable auto request bound for the large model to the small one? `gate`:
+        admission's (its `concurrency()` and `seat_free(model)`), read only when this is on."""
+        if self.from_running is None:
+            return False
+        return gate.concurrency() >= self.from_running and gate.seat_free(small_model_id)

@@ -699,14 +699,11 @@ class Pipeline:
         if p.mode == "fifo":
             p.admitted_at = time.perf_counter()
             return Permit(None), decision
-        ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
         large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
         auto = p.requested_model == self.args.router.auto_model_id
-        if auto and decision.model_id == large and p.tier.downgrade and self.busy_box.to_small(
-            self.gate.concurrency(), self.gate.seat_free(small)
-        ):
+        if auto and decision.model_id == large and p.tier.downgrade and self.busy_box.to_small(self.gate, small):
             decision = _busy_downgrade(p, small)
-            ticket = self.admission.ticket(small, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
+        ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
         if auto and decision.model_id in (large, small):
             to_small = decision.model_id == large
             other = small if to_small else large
