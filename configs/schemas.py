@@ -509,7 +509,7 @@ class HostTuningConfig(_Strict):
         "embedding is done (host_tuning/lookup_window.py)",
     )
     busy_box_small_from: int = Field(
-        2, ge=0, description="requests running on the box's models from which an auto request whose tier may "
+        1, ge=0, description="requests running on the box's models from which an auto request whose tier may "
         "downgrade goes to the small model while it has a free seat: two CPU engines side by side slow each "
         "other's batched steps ~2x (host_tuning/busy_box.py); 0: route by difficulty at any load",
     )

@@ -11,8 +11,10 @@ deadline where the large one would not). A lightly loaded box routes by difficul
 
 The same burst, one session, goodput under the SLO: 1.22 req/s routed by difficulty and load
 alone; 1.58 from 4 requests running; 1.73 from 2, as much as sending every request to the
-small model (1.73). Chat at half capacity moved 3 of 21 requests, shared-prefix chat at
-capacity kept its goodput (1.01 against 1.00) with a lower TTFT p50 (240 against 270 ms).
+small model (1.73). At half capacity, from 1 (the default) rather than 2: TTFT p50 of
+shared-prefix chat 252 and 245 ms against 303 and 280, of chat 142 against 187 (alternating,
+one session), since one request on the float32 target beside one on the small model kept
+both engines busy.
 """
 
 from __future__ import annotations

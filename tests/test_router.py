@@ -375,7 +375,7 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
 
     serve_args = serve_file.args
     large, small = serve_args.target.engine.model_id, serve_args.draft.engine.model_id
-    assert serve_args.host_tuning.small_from == 2  # the default CPU profile has it on
+    assert serve_args.host_tuning.small_from == 1  # the default CPU profile has it on, from one running
 
     def admit(pipeline: Pipeline, model: str = "auto", headers: dict | None = None):
         ctx = context_from_headers(headers or {})
@@ -391,10 +391,12 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
             return decision.model_id, decision.reason, p.notes.get("x-admission", "")
         return asyncio.run(go())
 
-    pipeline = pipeline_with(2)
+    two = pipeline_with(2)
+    two.gate.running.add(Ticket(large, "standard", 0, 10, 10))
+    assert admit(two)[:2] == (large, "classifier_hard")  # from 2: one running is still quiet
+
+    pipeline = pipeline_with(1)
     assert admit(pipeline)[:2] == (large, "classifier_hard")  # a quiet box: the router's choice
-    pipeline.gate.running.add(Ticket(large, "standard", 0, 10, 10))
-    assert admit(pipeline)[:2] == (large, "classifier_hard")  # one running: still quiet
     pipeline.gate.running.add(Ticket(large, "standard", 0, 10, 10))
     model, reason, note = admit(pipeline)
     assert (model, reason) == (small, "busy_box_downgrade") and note.startswith("downgraded")
