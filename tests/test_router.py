@@ -243,18 +243,26 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
 
     async def late_router_served() -> tuple:
         # The whole path: the slow lookup is skipped (no-cache) and the ingress's own embedding
-        # is slow; the request is admitted to the large model after verdict_wait_ms.
+        # is slow; after verdict_wait_ms the request commits to the large model, the router's
+        # safe choice, and admission takes it from there.
         slow = _SlowEmbedder(embedder, 1.0)
         pipeline.embedder = slow
         forced, took, p = await verdict(lambda p: asyncio.ensure_future(pipeline._route(p)), {"cache-control": "no-cache"}, 8)
         permit, decision = await pipeline._admit(p, forced)
         permit.release()
-        return decision, took, slow.calls
+        return forced, decision, took, slow.calls
 
     other.finish_at = time.monotonic() + 0.2
-    decision, took, calls = asyncio.run(late_router_served())
-    assert (decision.model_id, decision.reason) == (large, "router_late") and calls == 1
+    forced, decision, took, calls = asyncio.run(late_router_served())
+    assert (forced.model_id, forced.reason) == (large, "router_late") and calls == 1
     assert 0.03 <= took < 0.5, took
+    # The shipped small-box profile then moves it to the small model, which runs the one
+    # request on the box and has seats free (host_tuning.busy_box_small_from).
+    assert (decision.model_id, decision.reason) == (small, "busy_box_downgrade")
+    pipeline.busy_box.from_running = None  # the busy box off: admitted where the router committed
+    other.finish_at = time.monotonic() + 0.2
+    forced, decision, took, calls = asyncio.run(late_router_served())
+    assert (decision.model_id, decision.reason) == (large, "router_late")
 
 
 class _SlowEmbedder:
