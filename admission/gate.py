@@ -23,6 +23,13 @@ at arrival takes milliseconds.
 An idle model takes a request it can start in time (`_idle_takes`): nothing is gained by turning
 it away.
 
+Tenants share fairly. One tenant holds at most `tenant_share` of the slots, of each model's
+seats and of the queue, so another tenant's request always finds room. Within a priority the
+queue is served by a virtual token counter (VTC): the tenant that has been served the fewest
+tokens goes next, earliest deadline first among its own requests, and a request's predicted
+wait counts only what that order puts ahead of it. A tenant that returns after a pause starts
+level with the least-served tenant waiting, not with credit banked while it was away.
+
 Every first token calibrates: measured / predicted time to first token, an EWMA, scales the
 next TTFT predictions of its model (`bias`, within 0.5-3x). A TTFT target is a tail bound, and a mean bias
 leaves half the misses in place: the first token must also arrive in time when it comes as many
@@ -87,6 +94,12 @@ class Ticket:
     finish_at: float = 0.0  # predicted last token
     prefilled: bool = False  # its first token arrived: its prefill delays no one any more
     max_wait: float | None = None  # seconds it may wait in the queue (its tier's max_queue_ms)
+    tenant: str = ""  # whose share it counts against (the API key's tenant)
+
+    @property
+    def cost(self) -> int:
+        """Tokens it is charged to its tenant's virtual counter when it starts."""
+        return self.prompt_tokens + self.max_tokens
 
 
 @dataclass
@@ -121,7 +134,10 @@ class AdmissionGate:
         safety: float = 1.1,
         clock=time.monotonic,
         ttft_tail_quantile: float | None = 0.95,
+        tenant_share: float = 1.0,
     ) -> None:
+        self.tenant_share = tenant_share
+        self._served: dict[str, float] = {}  # tenant -> tokens started (the virtual token counter)
         self.max_inflight = max_inflight
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
@@ -166,6 +182,30 @@ class AdmissionGate:
             if not waiter.done():
                 out[t.model_id] = out.get(t.model_id, 0) + 1
         return out
+
+    def _cap(self, limit: int) -> int:
+        """A tenant's share of `limit`."""
+        return max(1, math.ceil(self.tenant_share * limit))
+
+    def _tenant_room(self, t: Ticket) -> bool:
+        """May `t`'s tenant start one more: under its share of the slots and of its model's seats?"""
+        if self.tenant_share >= 1.0:
+            return True
+        mine = [r for r in self.running if r.tenant == t.tenant]
+        if len(mine) >= self._cap(self.max_inflight):
+            return False
+        seats = self.seats.get(t.model_id)
+        return seats is None or sum(1 for r in mine if r.model_id == t.model_id) < self._cap(seats)
+
+    def _counter(self, tenant: str) -> float:
+        """A tenant's virtual counter, lifted to the least-served waiting tenant's if it fell
+        behind while it had nothing waiting."""
+        waiting = {q.tenant for *_, q, w in self._queue if not w.done()}
+        own = self._served.get(tenant, 0.0)
+        if tenant in waiting:
+            return own
+        others = [self._served.get(x, 0.0) for x in waiting]
+        return max(own, min(others)) if others else own
 
     def concurrency(self) -> int:
         """Requests running on the box, every model's (see the module docstring)."""
@@ -363,13 +403,19 @@ class AdmissionGate:
         return not ahead and self.inflight < self.max_inflight and self._takes_now(t, now)
 
     def _takes_now(self, t: Ticket, now: float) -> bool:
-        """A free seat on its model, and an idle model that takes it or room to fit it in."""
-        return self.seat_free(t.model_id) and (self._idle_takes(t, now) or self._fits_now(t, now))
+        """A free seat on its model within its tenant's share, and an idle model that takes it
+        or room to fit it in."""
+        return (
+            self.seat_free(t.model_id) and self._tenant_room(t)
+            and (self._idle_takes(t, now) or self._fits_now(t, now))
+        )
 
     def _wait_rejection(self, t: Ticket, ahead: list[Ticket], now: float) -> Rejection | None:
         """For a ticket that can't start now: why it may not wait either, or None to queue it."""
         if self.queued >= self.max_queued:
             return self.reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
+        if self.tenant_share < 1.0 and self._queued_of(t.tenant) >= self._cap(self.max_queued):
+            return self.reject("queue_full", "this API key's share of the queue is full", t, len(ahead))
         predicted = self.predict(t, ahead, now)
         if not self._meets(t, predicted, now):
             return self.reject(
@@ -391,9 +437,37 @@ class AdmissionGate:
             return False
         return t.deadline is None or t.arrived + e2e / 1000 <= t.deadline
 
+    def _queued_of(self, tenant: str) -> int:
+        return sum(1 for *_, q, w in self._queue if not w.done() and q.tenant == tenant)
+
     def _queue_ahead(self, t: Ticket) -> list[Ticket]:
-        key = (t.priority, t.deadline or INF)
-        return [q for p, d, _, q, w in self._queue if not w.done() and (p, d) <= key]
+        """The queued tickets that would start before `t`: every one of a higher priority; in
+        its own, its tenant's with an earlier deadline, and another tenant's whose virtual
+        counter, with that tenant's earlier tickets started, stays below `t`'s tenant's."""
+        live = sorted((e for e in self._queue if not e[4].done() and e[0] <= t.priority), key=lambda e: e[:3])
+        ahead = [q for p, _, _, q, _ in live if p < t.priority]
+        same = [q for p, _, _, q, _ in live if p == t.priority]
+        own = [q for q in same if q.tenant == t.tenant and (q.deadline or INF) <= (t.deadline or INF)]
+        mine_at = self._counter(t.tenant) + sum(q.cost for q in own)
+        counters: dict[str, float] = {}
+        for q in same:
+            if q.tenant == t.tenant:
+                continue
+            at = counters.setdefault(q.tenant, self._counter(q.tenant))
+            if at < mine_at:
+                ahead.append(q)
+            counters[q.tenant] = at + q.cost
+        return ahead + own
+
+    def _next(self) -> tuple[Ticket, asyncio.Future[None]] | None:
+        """The queued ticket to start next: the highest priority; in it, the least-served
+        tenant (virtual counter), and its earliest deadline."""
+        live = [e for e in self._queue if not e[4].done()]
+        if not live:
+            return None
+        top = min(e[0] for e in live)
+        best = min((e for e in live if e[0] == top), key=lambda e: (self._counter(e[3].tenant), e[1], e[2]))
+        return best[3], best[4]
 
     # ------------------------------------------------------------------ decisions
 
@@ -450,6 +524,10 @@ class AdmissionGate:
         return rejection
 
     def _start(self, t: Ticket, now: float) -> None:
+        self._served[t.tenant] = self._counter(t.tenant) + t.cost
+        if len(self._served) > 100_000:  # bounded: the least-served (idlest) tenants go first
+            for tenant in sorted(self._served, key=self._served.__getitem__)[:10_000]:
+                del self._served[tenant]
         c = self.concurrency() + 1
         t.started_at, t.concurrency_at_start, t.ttft_scale = now, c, self.bias(t.model_id)
         first_ms, last_ms = self._service_ms(t, c)
@@ -463,14 +541,16 @@ class AdmissionGate:
         line until a release makes room or its latest useful start passes (its waiter's timeout
         drops it, and wakes the next)."""
         while self._queue and self.inflight < self.max_inflight:
-            _, _, _, t, waiter = self._queue[0]
-            if waiter.done():
-                heapq.heappop(self._queue)
-                continue
+            found = self._next()
+            if found is None:
+                self._queue = []
+                return
+            t, waiter = found
             now = self._clock()
             if not self._takes_now(t, now):
                 return  # head of line: more urgent requests are not overtaken
-            heapq.heappop(self._queue)
+            self._queue = [e for e in self._queue if e[3] is not t]
+            heapq.heapify(self._queue)
             self._start(t, now)  # the slot is handed over, not re-raced
             waiter.set_result(None)
 

@@ -113,3 +113,16 @@ class TenantLimiter:
             requests.give_back(1)
             self.limited += 1
             raise OverLimit("tokens", max(1, math.ceil(wait)), limits.tokens_per_s)
+
+    def charge_tokens(self, owner: str, tokens: int) -> None:
+        """Charge work that is not a request of its own (a grammar to convert, a guard to run)
+        to the tenant's token bucket, or raise `OverLimit` (charging nothing)."""
+        if tokens <= 0:
+            return
+        now = self._clock()
+        _, token_bucket = self._pair(owner, now)
+        wait = token_bucket.take(tokens, now, self.share)
+        if wait:
+            self.limited += 1
+            limits = self.config.tenant(owner if self.bucket_of(owner) != SHARED else "default")
+            raise OverLimit("tokens", max(1, math.ceil(wait)), limits.tokens_per_s)

@@ -36,7 +36,7 @@ class AdmissionPolicy:
         )
         self.gate = AdmissionGate(
             config.max_inflight, config.max_queued, config.retry_after_s, self.estimates, config.safety,
-            ttft_tail_quantile=config.ttft_tail_quantile,
+            ttft_tail_quantile=config.ttft_tail_quantile, tenant_share=config.tenant_share,
         )
         self.limiter = TenantLimiter(config, own_buckets=own_buckets)
         # model id -> (its deployment, sequences one replica holds): llama.cpp's KV contexts.
@@ -91,11 +91,20 @@ class AdmissionPolicy:
         except OverLimit as over:
             raise _over_limit(over, ctx) from None
 
+    def charge_work(self, ctx: RequestContext, tokens: int) -> None:
+        """429 when the tenant's token rate can't pay for work done before its request is
+        tokenized (converting its grammar, say), charged before that work starts."""
+        try:
+            self.limiter.charge_tokens(ctx.tenant.split("/", 1)[0], tokens)
+        except OverLimit as over:
+            raise _over_limit(over, ctx) from None
+
     def ticket(self, model_id: str, ctx: RequestContext, tier: TierConfig, prompt_tokens: int, max_tokens: int) -> Ticket:
         return Ticket(
             model_id, ctx.tier, tier.priority, prompt_tokens, max_tokens,
             deadline=ctx.target_deadline, ttft_deadline=ctx.ttft_deadline, arrived=ctx.received,
             max_wait=None if tier.max_queue_ms is None else tier.max_queue_ms / 1000,
+            tenant=ctx.tenant.split("/", 1)[0],
         )
 
     def shed_early(self, candidates: list[Ticket]) -> list[bool]:

@@ -56,6 +56,32 @@ def manifest(profile: Path, image: str, gpu_workers: int = 2, gpus_per_worker: i
     }
 
 
+DASHBOARD_PORT, SERVE_PORT = 8265, 8000
+
+
+def network_policy() -> dict[str, Any]:
+    """Who may reach the head pod. KubeRay's operator drives a RayService through the Ray
+    dashboard's HTTP API, so the dashboard must listen beyond loopback; but that API submits
+    jobs (code) without authentication, so only the operator's pods may reach it. Ray's own
+    pods reach each other on every port; everyone else reaches Serve's HTTP port only."""
+    ray_pods = {"podSelector": {"matchLabels": {"ray.io/is-ray-node": "yes"}}}
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "latency-serve-head"},
+        "spec": {
+            "podSelector": {"matchLabels": {"ray.io/node-type": "head"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [ray_pods]},
+                {"from": [operator], "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]},
+                {"ports": [{"protocol": "TCP", "port": SERVE_PORT}]},
+            ],
+        },
+    }
+
+
 class _Dumper(yaml.SafeDumper):
     """Multi-line strings (the embedded serve config) as readable `|` blocks."""
 
@@ -74,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-worker", type=int, default=1)
     args = parser.parse_args(argv)
     doc = manifest(args.profile, args.image, args.gpu_workers, args.gpus_per_worker)
-    yaml.dump(doc, sys.stdout, Dumper=_Dumper, sort_keys=False)
+    yaml.dump_all([doc, network_policy()], sys.stdout, Dumper=_Dumper, sort_keys=False)
     return 0
 
 

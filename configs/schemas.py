@@ -278,6 +278,10 @@ class SemanticConfig(_Strict):
     threshold: float = Field(0.86, gt=0, le=1, description="cosine to serve a hit; tuned by `python -m bench cache`")
     hint_threshold: float = Field(0.7, gt=0, le=1, description="cosine to hand a near miss to the target as a draft")
     guards: bool = Field(True, description="negation / number / entity / contrast checks before serving a hit")
+    max_query_chars: int = Field(
+        2000, ge=1, description="a last user turn longer than this is looked up by exact match only: MiniLM "
+        "reads its first 256 word pieces, so a longer question's meaning past them is not in its embedding",
+    )
     embed_precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="MiniLM's one-text pass (cache lookups, the router): auto takes bfloat16 where, measured at "
@@ -375,6 +379,11 @@ class AdmissionConfig(_Strict):
     )
     max_inflight: int = Field(32, ge=1, description="requests generating at once, whole service")
     max_queued: int = Field(64, ge=0, description="requests waiting for a slot, whole service")
+    tenant_share: float = Field(
+        0.75, gt=0, le=1, description="the most of max_inflight, of each model's seats and of max_queued that one "
+        "API key's requests (n choices count as n) may hold, so another tenant always finds room; 1: no cap. "
+        "Within a priority the queue is served fairly by tokens (docs/admission.md)",
+    )
     sync_interval_s: float = Field(1.0, gt=0, description="how often ingress replicas sync with the controller")
     retry_after_s: int = Field(1, ge=0, description="Retry-After floor; sheds add the predicted wait")
     default_tier: str = Field(
@@ -436,7 +445,18 @@ class InputLimits(_Strict):
         400_000, ge=1, description="characters of message content (or of the prompt) in one request"
     )
     max_stop_chars: int = Field(256, ge=1, description="characters in one stop sequence")
-    max_embedding_inputs: int = Field(2048, ge=1, description="texts in one /v1/embeddings request")
+    max_tools_chars: int = Field(
+        100_000, ge=1, description="characters of tool definitions (as JSON) in one chat request"
+    )
+    grammar_timeout_s: float = Field(
+        1.0, gt=0, description="a structured output's or tools' grammar must convert within this; "
+        "past it the request gets a 400 (grammar_too_complex)",
+    )
+    max_embedding_inputs: int = Field(64, ge=1, description="texts in one /v1/embeddings request")
+    max_embedding_tokens: int = Field(
+        4096, ge=1, description="MiniLM word pieces in one /v1/embeddings request, all its texts together: "
+        "a request's work is bounded so it is served in well under a second on a small CPU box",
+    )
 
 
 class IngressConfig(_Strict):

@@ -19,6 +19,7 @@ import json
 import re
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -34,16 +35,66 @@ _WHITESPACE = {"any_whitespace": True, "max_whitespace_cnt": 8}
 ANY_OBJECT = '{"type": "object"}'
 
 
+# Nesting a schema (or tool parameters) may have, in JSON containers: compiling a schema costs
+# roughly the cube of its depth, so depth, not size, is what bounds the work. Real schemas
+# (nested pydantic models, OpenAPI bodies) stay far below it.
+MAX_SPEC_DEPTH = 32
+
+
 class GrammarError(ValueError):
-    """The grammar does not compile (an invalid schema or regex)."""
+    """The grammar does not compile (an invalid schema or regex), or is over a bound."""
 
 
-@functools.lru_cache(maxsize=256)
+def json_depth(value: Any, limit: int) -> int:
+    """Containers nested in `value`, counted without recursion and no further than `limit + 1`
+    (so a value nested thousands deep costs no more than one at the limit)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+# A tool-call structural tag wraps each function's parameters in this many levels of its own.
+_TAG_WRAPPING_DEPTH = 8
+
+
+def check_depth(spec: Any, where: str, limit: int = MAX_SPEC_DEPTH) -> None:
+    """`GrammarError` when a schema (parsed JSON) nests deeper than `limit`."""
+    if json_depth(spec, limit) > limit:
+        raise GrammarError(f"{where} nests deeper than {limit} levels")
+
+
 def check(structured: StructuredOutput) -> None:
-    """Raise `GrammarError` if it will not compile; needs no tokenizer (the ingress's 400). A
-    schema sent again is not parsed again (an error raised is not cached: it is re-raised fresh)."""
+    """Raise `GrammarError` if it will not compile; needs no tokenizer (the ingress's 400). A spec
+    sent again is not converted again: successes and failures are both remembered."""
+    reason = _checked(structured)
+    if reason is not None:
+        raise GrammarError(reason)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked(structured: StructuredOutput) -> str | None:
+    """Why it will not compile, or None. Cached either way, so a spec that fails costs its
+    conversion once, not on every request that sends it again."""
     import xgrammar as xgr
 
+    if structured.kind in ("json_schema", "structural_tag"):
+        wrapping = _TAG_WRAPPING_DEPTH if structured.kind == "structural_tag" else 0
+        try:
+            check_depth(json.loads(structured.spec), "the schema", MAX_SPEC_DEPTH + wrapping)
+        except (ValueError, RecursionError) as exc:
+            return _reason(exc)
     try:
         if structured.kind == "json_schema":
             xgr.Grammar.from_json_schema(structured.spec, **_WHITESPACE)
@@ -54,22 +105,50 @@ def check(structured: StructuredOutput) -> None:
         elif structured.kind == "structural_tag":
             xgr.Grammar.from_structural_tag(structured.spec)
     except Exception as exc:
-        raise GrammarError(_reason(exc)) from None
+        return _reason(exc)
+    return None
 
 
 class GrammarCompiler:
-    """Compiled grammars for one tokenizer, cached by their text (a schema compiles in ~1-10 ms;
-    the tokenizer's vocabulary table, once per replica, in ~130 ms)."""
+    """Compiled grammars for one tokenizer. xgrammar's own cache is off: this one is bounded in
+    bytes (LRU) and keyed by the tenant's salt too, so one tenant can neither fill the replica's
+    memory with grammars nor learn by timing whether another tenant sent a schema."""
 
-    def __init__(self, tokenizer: Any, stop_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, stop_ids: frozenset[int], cache_bytes: int = 64 << 20) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self.vocab_size = vocab_size = len(tokenizer)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[tuple[str | None, StructuredOutput], tuple[Any, int]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
 
-    def compile(self, structured: StructuredOutput) -> Any:
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def compile(self, structured: StructuredOutput, salt: str | None = None) -> Any:
+        key = (salt, structured)
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+                return found[0]
+        compiled = self._compile(structured)
+        size = _memory_size(compiled)
+        with self._lock:
+            if key not in self._cache and size <= self.cache_bytes:
+                self._cache[key] = (compiled, size)
+                self._held += size
+                while self._held > self.cache_bytes:
+                    _, (_, dropped) = self._cache.popitem(last=False)
+                    self._held -= dropped
+        return compiled
+
+    def _compile(self, structured: StructuredOutput) -> Any:
         c = self._compiler
         try:
             if structured.kind == "json":  # any object (strict mode would allow only {})
@@ -84,8 +163,15 @@ class GrammarCompiler:
         except Exception as exc:
             raise GrammarError(_reason(exc)) from None
 
-    def state(self, structured: StructuredOutput) -> GrammarState:
-        return GrammarState(self._xgr, self.compile(structured), self.vocab_size)
+    def state(self, structured: StructuredOutput, salt: str | None = None) -> GrammarState:
+        return GrammarState(self._xgr, self.compile(structured, salt), self.vocab_size)
+
+
+def _memory_size(compiled: Any) -> int:
+    try:
+        return int(compiled.memory_size_bytes)
+    except Exception:  # an xgrammar without the figure: count the vocabulary-sized tables roughly
+        return 1 << 20
 
 
 class GrammarState:

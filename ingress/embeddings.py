@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ingress.errors import APIError, bad_request
 
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+DIMENSIONS = 384  # its vectors' length
 MAX_TOKENS = 256  # MiniLM's window, in its own word pieces, [CLS] and [SEP] included
 
 
@@ -29,7 +30,14 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
-def parse(body: Any, max_inputs: int, max_chars: int, dimensions: int) -> tuple[EmbeddingRequest, list[str]]:
+# A MiniLM word piece holds one character at least; texts past this many characters per token
+# of the request's budget are refused before they are tokenized.
+CHARS_PER_TOKEN_BOUND = 8
+# Texts embedded per pass: between passes a request whose client left stops.
+CHUNK = 16
+
+
+def parse(body: Any, max_inputs: int, max_tokens: int, dimensions: int) -> tuple[EmbeddingRequest, list[str]]:
     """The validated request and its texts; a 400 for anything MiniLM can't answer as asked."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
@@ -52,6 +60,7 @@ def parse(body: Any, max_inputs: int, max_chars: int, dimensions: int) -> tuple[
         raise bad_request(f"input: {len(texts)} texts; this server takes at most {max_inputs} per request", "input")
     if any(not t for t in texts):
         raise bad_request("input: texts must be non-empty", "input")
+    max_chars = max_tokens * CHARS_PER_TOKEN_BOUND
     if sum(len(t) for t in texts) > max_chars:
         raise bad_request(f"input: at most {max_chars} characters per request", "input", "prompt_too_long")
     if req.dimensions is not None and req.dimensions != dimensions:
@@ -59,12 +68,16 @@ def parse(body: Any, max_inputs: int, max_chars: int, dimensions: int) -> tuple[
     return req, texts  # type: ignore[return-value]
 
 
-def check_lengths(counts: list[int]) -> None:
-    """A 400 for a text over MiniLM's window (word pieces, [CLS]/[SEP] included)."""
+def check_lengths(counts: list[int], max_tokens: int) -> None:
+    """A 400 for a text over MiniLM's window (word pieces, [CLS]/[SEP] included), or texts
+    over the request's token budget together."""
     for i, n in enumerate(counts):
         if n > MAX_TOKENS:
             raise bad_request(f"input[{i}]: {n} tokens; {EMBEDDING_MODEL} reads at most {MAX_TOKENS}",
                               "input", "context_length_exceeded")
+    if sum(counts) > max_tokens:
+        raise bad_request(f"input: {sum(counts)} tokens in all; this server embeds at most {max_tokens} per request "
+                          "(send several requests)", "input", "too_many_tokens")
 
 
 def response(vectors: np.ndarray, encoding: str, tokens: int) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -56,7 +57,7 @@ from ingress.auth import KeyRing
 from ingress.coalescing import Flights
 from ingress.context import context_from_headers
 from ingress.errors import APIError, bad_request, describe, from_admission
-from ingress.prepare import INLINE_TOKENIZE_CHARS, Prepared, Preparer
+from ingress.prepare import INLINE_TOKENIZE_CHARS, Prepared, Preparer, grammar_cost
 from ingress.prompts import PromptBuilder
 from ingress.responses import Kind, SSEWriter, full_response
 from router.base import RouteDecision, RouteFeatures
@@ -258,6 +259,9 @@ class Pipeline:
             body = await self.preparer.read_json(request)
             prepared = self.preparer.prepare(kind, body, ctx, tier, mode)
             prepared.clock, prepared.trace = clock, trace
+            if prepared.grammar_param is not None:  # paid for before it is converted, refused or not
+                self.admission.charge_work(ctx, grammar_cost(prepared.sampling.structured))
+                await self.preparer.check_grammar(prepared)
             clock.stage("parse")
             if self.args.ingress.log_prompts:  # opt-in only: prompts are user data
                 log.info("request %s tenant=%s %s: %s", ctx.request_id, ctx.tenant, kind, json.dumps(body)[:4000])
@@ -340,24 +344,31 @@ class Pipeline:
             ctx = context_from_headers(request.headers, self.keys.identify(request.headers))
             self.admission.precheck_tenant(ctx)
             body = await self.preparer.read_json(request)
-            embedder = await self._api_embedder()
             limits = self.args.ingress.limits
-            req, texts = embeddings.parse(body, limits.max_embedding_inputs, limits.max_prompt_chars, embedder.dimensions)
+            req, texts = embeddings.parse(body, limits.max_embedding_inputs, limits.max_embedding_tokens,
+                                           embeddings.DIMENSIONS)
+            embedder = await self._api_embedder()
             counts = await embedder.count_tokens_async(texts)
-            embeddings.check_lengths(counts)
+            embeddings.check_lengths(counts, limits.max_embedding_tokens)
             self.admission.charge_tenant(ctx, sum(counts))
-            vectors = await embedder.embed_many_async(texts)
-            return JSONResponse(embeddings.response(vectors, req.encoding_format, sum(counts)))
+            parts = []
+            for start in range(0, len(texts), embeddings.CHUNK):  # a client that left stops its job here
+                if start and await request.is_disconnected():
+                    return Response(status_code=499)
+                parts.append(await embedder.embed_many_async(texts[start:start + embeddings.CHUNK]))
+            loop = asyncio.get_running_loop()
+            body_out = await loop.run_in_executor(None, lambda: JSONResponse(
+                embeddings.response(np.concatenate(parts), req.encoding_format, sum(counts))
+            ))
+            return body_out
         except (APIError, AdmissionError) as raised:
             return (from_admission(raised) if isinstance(raised, AdmissionError) else raised).response()
         except ClientDisconnect:
             return Response(status_code=499)
 
     async def _api_embedder(self) -> Embedder:
-        """The router's MiniLM where it runs here; else one loaded on the first embeddings call
-        (kept apart from the router's slot: loading it must not change how requests route)."""
-        if self.embedder is not None:
-            return self.embedder
+        """A MiniLM of its own, on its own thread, loaded on the first embeddings call: an
+        embeddings job never queues in front of the router's embedding of a chat request."""
         if self._embedder_loading is None:
             from semantic_cache.embedder import Embedder as Loaded
 

@@ -10,6 +10,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from ingress.prompts import PromptBuilder
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, lone_surrogate_at
 from ingress.responses import Kind
 from engines.grammar import GrammarError, check
+from engines.types import StructuredOutput
 from ingress.structured import structured_output
 from ingress.tools import ToolSpec, tool_spec
 from router.base import RouteFeatures
@@ -75,6 +77,7 @@ class Prepared:
     streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
     tools: ToolSpec | None = None  # its function tools: prompt, grammar, and tool_calls in the answer
     verifying: Any = None  # the semantic match (semantic_cache.Lookup) the model is verifying, if any
+    grammar_param: str | None = None  # the field that asked for sampling.structured, for its 400
 
 
 # Prompts longer than this are tokenized (and trimmed) on a worker thread, not on the event
@@ -128,6 +131,10 @@ class Preparer:
             args.router.auto_model_id: args.target.engine.max_model_len,
         }
         self.vllm_models = {stage.engine.model_id for stage in (args.target, args.draft) if stage.engine.kind == "vllm"}
+        # Grammar conversions (xgrammar's C++, which releases the GIL): off the event loop, two
+        # at a time at most, so one slow schema delays no other request's check for long.
+        self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
+        self._too_slow: OrderedDict[StructuredOutput, None] = OrderedDict()
 
     async def read_json(self, request: Request) -> Any:
         limit = self.args.ingress.max_body_bytes
@@ -183,7 +190,8 @@ class Preparer:
                 param="model",
                 code="model_not_found",
             )
-        structured = structured_output(req)
+        asked = structured_output(req)
+        grammar_param, structured = asked if asked is not None else (None, None)
         tools = None
         if kind == "chat":
             try:
@@ -191,10 +199,7 @@ class Preparer:
             except ValueError as exc:
                 raise bad_request(str(exc), "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
             if tools is not None:
-                try:  # a parameters schema that does not compile is the client's error, found before any hop
-                    check(tool_grammar := tools.grammar())
-                except GrammarError as exc:
-                    raise bad_request(f"tools: a function's parameters do not compile: {exc}", "tools") from None
+                tool_grammar, grammar_param = tools.grammar(), "tools"
             if tools is not None and structured is not None:
                 raise bad_request("tools and a structured output (response_format, guided_*) at once are not served; "
                                   "send one", "response_format")
@@ -262,7 +267,7 @@ class Preparer:
             model_key = f"{kind}:{req.model}"
             cache_key = exact_key(tenant=ctx.tenant, model=model_key, messages=turns, sampling=sampling_key)
             context, query = split_query(turns if kind == "chat" else [{"role": "prompt", "content": last_user}])
-            if query is not None and query.strip():
+            if query is not None and query.strip() and len(query) <= cache.semantic.max_query_chars:
                 scope = scope_key(tenant=ctx.tenant, model=model_key, context=context, sampling=sampling_key)
             else:
                 query = None
@@ -284,7 +289,31 @@ class Preparer:
             chars=chars,
             system_text=system_text,
             tools=tools,
+            grammar_param=grammar_param,
         )
+
+    async def check_grammar(self, p: Prepared) -> None:
+        """A 400 naming the field when the request's grammar does not compile, or not within
+        `limits.grammar_timeout_s`. The conversion runs on the grammar threads, never on the event
+        loop; a grammar that ran out of time is remembered and refused at once after that."""
+        structured = p.sampling.structured
+        if structured is None or p.grammar_param is None:
+            return
+        param = p.grammar_param
+        budget = self.args.ingress.limits.grammar_timeout_s
+        if structured in self._too_slow:
+            raise _too_complex(param, budget)
+        future = asyncio.get_running_loop().run_in_executor(self._grammar_threads, check, structured)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), budget)
+        except asyncio.TimeoutError:
+            self._too_slow[structured] = None
+            while len(self._too_slow) > 1024:
+                self._too_slow.popitem(last=False)
+            raise _too_complex(param, budget) from None
+        except GrammarError as exc:
+            what = "a function's parameters do not compile: " if param == "tools" else ""
+            raise bad_request(f"{param}: {what}{exc}", param) from None
 
     def tokenize(self, p: Prepared) -> None:
         """Prompt ids and the output budget; 400 when the prompt is empty or can't fit."""
@@ -365,9 +394,11 @@ class Preparer:
 def _turn(m: Any) -> dict[str, Any]:
     """A message as the cache key sees it: everything in it that changes the answer."""
     turn: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        turn["name"] = m.name
     if m.tool_calls:
         turn["tool_calls"] = [
-            {"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
+            {"id": c.get("id"), "name": c["function"]["name"], "arguments": c["function"].get("arguments")}
             for c in m.tool_calls
         ]
     if m.tool_call_id:
@@ -391,6 +422,14 @@ def _check_sizes(req: ChatCompletionRequest | CompletionRequest, limits: InputLi
     stop sequence whose hold-back would cost a decode of its length on every token."""
     if isinstance(req, ChatCompletionRequest):
         chars, param = sum(len(m.text()) for m in req.messages), "messages"
+        if req.tools:
+            tool_chars = len(json.dumps(req.tools))
+            if tool_chars > limits.max_tools_chars:
+                raise bad_request(
+                    f"tools: {tool_chars} characters of definitions; this server takes at most "
+                    f"{limits.max_tools_chars} per request", "tools", "tools_too_long",
+                )
+            chars += tool_chars  # the tools are rendered into the prompt: tokenized with it
     elif isinstance(req.prompt, str):
         chars, param = len(req.prompt), "prompt"
     else:
@@ -403,6 +442,18 @@ def _check_sizes(req: ChatCompletionRequest | CompletionRequest, limits: InputLi
     if any(len(s) > limits.max_stop_chars for s in req.stop):
         raise bad_request(f"stop: each stop sequence may have at most {limits.max_stop_chars} characters", "stop")
     return chars
+
+
+def grammar_cost(structured: StructuredOutput | None) -> int:
+    """Tokens a grammar's conversion is charged as: its spec's length, as a prompt of that text."""
+    return 0 if structured is None else len(structured.spec) // 4
+
+
+def _too_complex(param: str, budget: float) -> APIError:
+    return bad_request(
+        f"{param}: the grammar does not compile within {budget:g} s; simplify it (fewer nested or "
+        "repeated parts)", param, "grammar_too_complex",
+    )
 
 
 def _reject_constant(name: str) -> Any:

@@ -6,10 +6,14 @@ are rejected with a 400 that names them, instead of being silently dropped.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# A logit_bias key: a token id in ASCII digits (str.isdigit also takes "²", which int() refuses).
+_TOKEN_ID = re.compile(r"\s*[0-9]{1,9}\s*", re.ASCII)
 
 # A seed is a 64-bit signed integer, as in vLLM's server: torch's generator takes no more.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -27,13 +31,37 @@ class TextPart(BaseModel):
     text: str
 
 
+# Containers nested in a tool call's arguments (parsed from their JSON string), at most.
+MAX_ARGUMENT_DEPTH = 32
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Role
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=256)
     tool_calls: list[dict[str, Any]] | None = Field(None, max_length=128)  # an assistant's earlier calls
     tool_call_id: str | None = Field(None, max_length=256)  # a tool message: the call it answers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """OpenAI's shape, {"id", "type": "function", "function": {"name", "arguments"}}, checked
+        here so the prompt builders and the cache key can trust it."""
+        for i, call in enumerate(value or []):
+            fn = call.get("function")
+            if not isinstance(fn, dict):
+                raise ValueError(f"{i}.function: an object with a name and arguments is required")
+            if not isinstance(fn.get("name"), str) or not fn["name"] or len(fn["name"]) > 64:
+                raise ValueError(f"{i}.function.name: a name of 1-64 characters is required")
+            arguments = fn.get("arguments")
+            if arguments is not None and not isinstance(arguments, (str, dict)):
+                raise ValueError(f"{i}.function.arguments: a JSON string is required")
+            if not isinstance(call.get("id", ""), (str, type(None))):
+                raise ValueError(f"{i}.id: a string is required")
+            if isinstance(arguments, str):
+                _check_arguments(arguments, i)
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -79,7 +107,7 @@ class _Sampling(_Request):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.strip().isdigit():
+            if _TOKEN_ID.fullmatch(token) is None:
                 raise ValueError(f"keys are token ids; {token[:40]!r} is not one")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"a bias is between -100 and 100; token {token} has {bias}")
@@ -109,6 +137,26 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}: ingress/tools.py
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        fn = value.get("function") if isinstance(value, dict) else None
+        if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise ValueError("'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(value or []):
+            params = tool.get("function", {}).get("parameters") if isinstance(tool.get("function"), dict) else None
+            if isinstance(params, dict) and _depth(params) > MAX_ARGUMENT_DEPTH:
+                raise ValueError(f"{i}.function.parameters: nests deeper than {MAX_ARGUMENT_DEPTH} levels")
+        return value
     parallel_tool_calls: bool | None = None
     # The deprecated forms of tools: a 400 that says to use tools, never ignored.
     functions: list[dict[str, Any]] | None = None
@@ -156,6 +204,30 @@ class CompletionRequest(_Sampling):
     @property
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+
+def _depth(value: Any) -> int:
+    from engines.grammar import json_depth
+
+    return json_depth(value, MAX_ARGUMENT_DEPTH)
+
+
+def _check_arguments(arguments: str, index: int) -> None:
+    """A history call's arguments: what the prompt builder will parse must be bounded and text."""
+    if _SURROGATE_ESCAPE.search(arguments) is None and "[" * (MAX_ARGUMENT_DEPTH + 1) not in arguments \
+            and arguments.count("{") + arguments.count("[") <= MAX_ARGUMENT_DEPTH:
+        return
+    try:
+        parsed = json.loads(arguments)
+    except RecursionError:
+        raise ValueError(f"{index}.function.arguments: nests deeper than {MAX_ARGUMENT_DEPTH} levels") from None
+    except ValueError:
+        return  # not JSON: the prompt carries it as the text it is
+    if _depth(parsed) > MAX_ARGUMENT_DEPTH:
+        raise ValueError(f"{index}.function.arguments: nests deeper than {MAX_ARGUMENT_DEPTH} levels")
+    where = lone_surrogate_at(arguments, parsed)
+    if where is not None:
+        raise ValueError(f"{index}.function.arguments: a lone UTF-16 surrogate is not text")
 
 
 # JSON can spell a UTF-16 surrogate as an escape; only there can a lone one come from.

@@ -122,7 +122,7 @@ def render_call(call: dict[str, Any]) -> str:
     arguments = fn.get("arguments") or "{}"
     try:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     return f"{OPEN}\n" + json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False) + f"\n{CLOSE}"
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -25,7 +26,7 @@ from configs.schemas import CacheConfig
 from semantic_cache.exact import CachedResponse, ExactCache
 from semantic_cache.guards import mismatch
 from semantic_cache.skip_policy import SkipPolicy
-from semantic_cache.store import VectorStore, point_id
+from semantic_cache.store import VectorStore, owner_of, point_id
 
 Outcome = Literal["hit", "hint", "miss"]
 
@@ -62,7 +63,9 @@ class ResponseCache:
         self.exact = ExactCache(config, clock=clock)
         self.counts = {"exact_hits": 0, "semantic_hits": 0, "verifications": 0, "hints": 0, "misses": 0, "guard_refusals": 0, "writes": 0}
         s = config.semantic
-        self.skip = SkipPolicy(s.max_error_rate, s.explore_rate) if s.mode == "bounded" else None
+        # Bounded mode learns per tenant: one tenant's easy verifications never let another
+        # tenant's paraphrases skip theirs. The idlest tenants' policies go first past the bound.
+        self.skip: OrderedDict[str, SkipPolicy] | None = OrderedDict() if s.mode == "bounded" else None
         self._writes_since_index = 0
 
     async def lookup(
@@ -112,7 +115,8 @@ class ResponseCache:
                     self.counts["guard_refusals"] += 1
             entry_key = match.payload.get("key", "")
             if refusal is None and self.semantic.mode != "trust":
-                if self.skip is None or not self.skip.serve_unverified(match.score, entry_key):
+                skip = self._skip_policy(match.payload.get("tenant"), create=False)
+                if skip is None or not skip.serve_unverified(match.score, entry_key):
                     self.counts["verifications"] += 1
                     return Lookup("hint", response, match.score, "verify", cached_query, entry_key=entry_key)
             if refusal is None:
@@ -128,10 +132,26 @@ class ResponseCache:
         self.counts["misses"] += 1
         return Lookup("miss", score=found[0].score if found else None, reason="no_match")
 
-    def verified(self, entry_key: str, score: float, correct: bool) -> None:
-        """A verification's outcome (mode bounded learns from it): did the model give the cached answer?"""
-        if self.skip is not None:
-            self.skip.observe(score, entry_key, correct)
+    def verified(self, entry_key: str, score: float, correct: bool, tenant: str | None = None) -> None:
+        """A verification's outcome (mode bounded learns from it, for the entry's tenant): did
+        the model give the cached answer?"""
+        skip = self._skip_policy(tenant or self.exact.tenant_of(entry_key), create=True)
+        if skip is not None:
+            skip.observe(score, entry_key, correct)
+
+    MAX_SKIP_TENANTS = 10_000
+
+    def _skip_policy(self, tenant: str | None, create: bool) -> SkipPolicy | None:
+        if self.skip is None or tenant is None:
+            return None
+        policy = self.skip.get(tenant)
+        if policy is None and create:
+            policy = self.skip[tenant] = SkipPolicy(self.semantic.max_error_rate, self.semantic.explore_rate)
+            while len(self.skip) > self.MAX_SKIP_TENANTS:
+                self.skip.popitem(last=False)
+        if policy is not None:
+            self.skip.move_to_end(tenant)
+        return policy
 
     def put(self, entry: CacheEntry) -> None:
         self.counts["writes"] += 1
@@ -145,6 +165,7 @@ class ResponseCache:
         payload = {
             "key": entry.key,
             "tenant": entry.tenant,
+            "owner": owner_of(entry.tenant),
             "scope": entry.scope,
             "query": entry.query,
             "expires": self._clock() + self.config.ttl_s,
@@ -177,5 +198,10 @@ class ResponseCache:
         return len(keys)
 
     def stats(self) -> dict[str, float]:
-        skip = {f"bounded_{k}": v for k, v in self.skip.stats().items()} if self.skip is not None else {}
+        skip: dict[str, float] = {}
+        if self.skip is not None:
+            for policy in self.skip.values():
+                for k, v in policy.counts.items():
+                    skip[f"bounded_{k}"] = skip.get(f"bounded_{k}", 0) + v
+            skip["bounded_tenants"] = len(self.skip)
         return {"entries": len(self.exact), **self.counts, **skip}

@@ -65,9 +65,15 @@ class ExactCache:
             del self._entries[k]
         return gone
 
+    def tenant_of(self, key: str) -> str | None:
+        item = self._entries.get(key)
+        return None if item is None else item[1]
+
     def invalidate(self, tenant: str | None = None) -> list[str]:
-        """Drop one tenant's entries (or all); return their keys."""
-        keys = [k for k, (_, t, _) in self._entries.items() if tenant is None or t == tenant]
+        """Drop one tenant's entries, its `x-tenant` namespaces' ("tenant/sub") included (or
+        all); return their keys."""
+        inside = f"{tenant}/"
+        keys = [k for k, (_, t, _) in self._entries.items() if tenant is None or t == tenant or t.startswith(inside)]
         for k in keys:
             del self._entries[k]
         return keys

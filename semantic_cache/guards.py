@@ -99,7 +99,7 @@ def facts(text: str) -> Facts:
     words: list[str] = []
     numbers: set[str] = set()
     soft: set[str] = set()
-    entities: list[str] = []
+    entities: dict[str, None] = {}  # ordered, with constant-time membership
     negated = False
     for i, tok in enumerate(tokens):
         low = tok.lower()
@@ -121,27 +121,34 @@ def facts(text: str) -> Facts:
         # A name: capitalized (or has capitals inside, like "PostgreSQL", "S3"), not a common
         # word that happens to start the sentence.
         elif (tok[0].isupper() or any(c.isupper() for c in tok[1:])) and stem not in _COMMON:
-            if stem not in entities:
-                entities.append(stem)
+            entities.setdefault(stem)
         words.append(stem)
     return Facts(negated, frozenset(numbers), frozenset(soft), tuple(entities), frozenset(words))
 
 
 def _acronyms_resolved(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[set[str], set[str]]:
-    """Entity sets with acronyms matched to the names they abbreviate ("UK" ~ "United Kingdom")."""
+    """Entity sets with acronyms matched to the names they abbreviate ("UK" ~ "United Kingdom").
+    Linear in the names: each run of 2-5 names is indexed once by its initials."""
     only_a, only_b = set(a) - set(b), set(b) - set(a)
     for short_side, long_side, long_order in ((only_a, only_b, b), (only_b, only_a, a)):
-        for short in list(short_side):
-            n = len(short)
-            if not (2 <= n <= 5 and short.isalpha()):
-                continue
+        shorts = [w for w in short_side if 2 <= len(w) <= 5 and w.isalpha()]
+        if not shorts:
+            continue
+        runs: dict[str, list[int]] = {}  # initials -> where runs with them start
+        for n in range(2, 6):
             for i in range(len(long_order) - n + 1):
-                run = long_order[i : i + n]
-                if all(w in long_side for w in run) and "".join(w[0] for w in run) == short:
+                runs.setdefault("".join(w[0] for w in long_order[i : i + n]), []).append(i)
+        for short in shorts:
+            for i in runs.get(short, ())[:_ACRONYM_TRIES]:
+                run = long_order[i : i + len(short)]
+                if all(w in long_side for w in run):
                     short_side.discard(short)
                     long_side.difference_update(run)
                     break
     return only_a, only_b
+
+
+_ACRONYM_TRIES = 8  # runs with an acronym's initials tried for it, at most
 
 
 _ALIASES = {"integer": "int", "dictionary": "dict", "bicycle": "bike", "directory": "folder", "boolean": "bool"}

@@ -17,8 +17,19 @@ from typing import Any
 
 
 def normalize_text(text: str) -> str:
-    """Normalization that never changes meaning: Unicode NFC, collapsed whitespace."""
-    return " ".join(unicodedata.normalize("NFC", text).split())
+    """Normalization that never changes meaning: Unicode NFC, and no leading or trailing
+    whitespace. Whitespace inside is kept: code that differs only in indentation is other code."""
+    return unicodedata.normalize("NFC", text).strip()
+
+
+def _message(m: dict[str, Any]) -> list[Any]:
+    """A turn as the keys see it: its role and text, and every other field that changes the
+    answer (the sender's name, an assistant's tool calls, the call a tool result answers)."""
+    return [m["role"], normalize_text(m["content"]), *([{k: m[k] for k in _EXTRA if m.get(k)}] if any(
+        m.get(k) for k in _EXTRA) else [])]
+
+
+_EXTRA = ("name", "tool_calls", "tool_call_id")
 
 
 def _digest(payload: dict[str, Any]) -> str:
@@ -30,7 +41,7 @@ def exact_key(*, tenant: str, model: str, messages: list[dict[str, str]], sampli
     return _digest({
         "tenant": tenant,
         "model": model,
-        "messages": [[m["role"], normalize_text(m["content"])] for m in messages],
+        "messages": [_message(m) for m in messages],
         "sampling": sampling,
     })
 
@@ -47,7 +58,6 @@ def scope_key(*, tenant: str, model: str, context: list[dict[str, str]], samplin
         "scope": 1,
         "tenant": tenant,
         "model": model,
-        "context": [[m["role"], normalize_text(m["content"]), *([m["tool_calls"]] if m.get("tool_calls") else [])]
-                    for m in context],
+        "context": [_message(m) for m in context],
         "sampling": sampling,
     })

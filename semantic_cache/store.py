@@ -41,6 +41,16 @@ class VectorStore(Protocol):
     def maintain(self) -> None: ...
 
 
+def owner_of(tenant: str) -> str:
+    """The key's tenant of an `x-tenant` namespace inside it ("owner/sub"), or the tenant itself."""
+    return tenant.split("/", 1)[0]
+
+
+def _tenant_fields(tenant: str) -> tuple[str, ...]:
+    """Payload fields whose match drops `tenant`'s points: a key's tenant takes its namespaces too."""
+    return ("tenant",) if "/" in tenant else ("tenant", "owner")
+
+
 def point_id(key: str) -> str:
     """A stable UUID for an exact cache key, so rewriting an entry replaces it."""
     return str(uuid.UUID(hex=key[:32]))
@@ -66,7 +76,7 @@ class EdgeStore:
         except Exception:
             self.shard = qe.EdgeShard.create(path, edge_config)
         for name, kind in (("scope", qe.PayloadSchemaType.Keyword), ("tenant", qe.PayloadSchemaType.Keyword),
-                           ("expires", qe.PayloadSchemaType.Float)):
+                           ("owner", qe.PayloadSchemaType.Keyword), ("expires", qe.PayloadSchemaType.Float)):
             self.shard.update(qe.UpdateOperation.create_field_index(name, kind))
         # Writes and index builds are serialized; searches run alongside both. A write never
         # waits for the lock: while an index build (seconds) holds it, writes queue and the
@@ -121,7 +131,7 @@ class EdgeStore:
 
     def delete_tenant(self, tenant: str) -> None:
         qe = self._qe
-        where = qe.Filter(must=[qe.FieldCondition(key="tenant", match=qe.MatchValue(tenant))])
+        where = qe.Filter(should=[qe.FieldCondition(key=f, match=qe.MatchValue(tenant)) for f in _tenant_fields(tenant)])
         self._update(qe.UpdateOperation.delete_points_by_filter(where))
 
     def delete_expired(self, now: float) -> None:
@@ -159,6 +169,7 @@ class ClientStore:
             if location.startswith(("http://", "https://")):  # local mode has no payload indexes
                 for name, kind in (("scope", models.PayloadSchemaType.KEYWORD),
                                    ("tenant", models.PayloadSchemaType.KEYWORD),
+                                   ("owner", models.PayloadSchemaType.KEYWORD),
                                    ("expires", models.PayloadSchemaType.FLOAT)):
                     self.client.create_payload_index(self.collection, name, kind)
 
@@ -183,7 +194,7 @@ class ClientStore:
 
     def delete_tenant(self, tenant: str) -> None:
         m = self._m
-        where = m.Filter(must=[m.FieldCondition(key="tenant", match=m.MatchValue(value=tenant))])
+        where = m.Filter(should=[m.FieldCondition(key=f, match=m.MatchValue(value=tenant)) for f in _tenant_fields(tenant)])
         self.client.delete(self.collection, points_selector=m.FilterSelector(filter=where))
 
     def delete_expired(self, now: float) -> None:

@@ -24,7 +24,7 @@ from draft.proposers import Proposal, Proposer
 from engines.base import Engine
 from engines.blocks import salt_root
 from engines.detokenizer import IncrementalDetokenizer
-from engines.grammar import compiler_for
+from engines.grammar import GrammarState, compiler_for
 from engines.sampling import LogitsAdjuster, make_generator, sample
 from engines.types import GenerateChunk, GenerateRequest
 from target.adaptive import KChooser
@@ -50,10 +50,16 @@ HELD_CATCH_UP_TOKENS = 32
 # for 1 token, ~150 ms for 32, ~215 ms for 64: a 64-token answer the model agrees with takes two
 # passes; one it rejects at once costs one 32-token pass, ~90 ms more than a plain step.
 ANSWER_CHUNK_FIRST, ANSWER_CHUNK_MAX = 32, 128
+# A token the distribution rules out (a grammar, a -100 bias) has log-probability -inf, which JSON
+# cannot carry: it is reported as this finite floor, as OpenAI does.
+LOGPROB_FLOOR = -9999.0
 
 
 class Generation:
-    def __init__(self, engine: Engine, request: GenerateRequest, speculation: Speculation | None = None) -> None:
+    def __init__(
+        self, engine: Engine, request: GenerateRequest, speculation: Speculation | None = None,
+        grammar: GrammarState | None = None,
+    ) -> None:
         self.engine = engine
         self.request = request
         self.params = request.sampling
@@ -67,11 +73,11 @@ class Generation:
             LogitsAdjuster(self.params, request.prompt_token_ids, engine.eos_token_ids)
             if self.params.adjusts_logits else None
         )
-        # Structured output: every row chosen from is masked to what the grammar allows.
-        self.grammar = (
-            compiler_for(engine.tokenizer, engine.eos_token_ids).state(self.params.structured)
-            if self.params.structured is not None else None
-        )
+        # Structured output: every row chosen from is masked to what the grammar allows. The
+        # service compiles it off its event loop and hands it in; built here otherwise.
+        if grammar is None and self.params.structured is not None:
+            grammar = compiler_for(engine.tokenizer, engine.eos_token_ids).state(self.params.structured, request.cache_salt)
+        self.grammar = grammar
         self.spec = speculation
         self.tokens: list[int] = list(request.prompt_token_ids)  # prompt + emitted tokens
         self.completion_tokens = 0
@@ -129,17 +135,21 @@ class Generation:
         return chunk
 
     @staticmethod
-    def step_batch(gens: list["Generation"]) -> list[GenerateChunk]:
+    def step_batch(gens: list["Generation"]) -> list[GenerateChunk | Exception]:
         """One plain decode step for each generation, all in ONE forward pass of their shared
         engine. Speculation sits this round out: with several requests in the pass, the weights
-        are read once for all of them, which is what a draft round would have saved."""
+        are read once for all of them, which is what a draft round would have saved. A sequence
+        whose own choosing fails gets its exception in its place; the others get their chunks."""
         engine = gens[0].engine
         logits = engine.decode_batch([g.seq for g in gens], [g._last for g in gens])
-        chunks = []
+        chunks: list = []
         for row, gen in enumerate(gens):
-            adjusted = gen._adjusted(logits[row])
-            chunks.append(gen._emit([gen._pick(adjusted)], [adjusted]))
             gen.rounds += 1
+            try:
+                adjusted = gen._adjusted(logits[row])
+                chunks.append(gen._emit([gen._pick(adjusted)], [adjusted]))
+            except Exception as exc:  # this sequence's own failure: it ends alone, its batch-mates go on
+                chunks.append(exc)
         return chunks
 
     def _step(self) -> GenerateChunk:
@@ -158,6 +168,21 @@ class Generation:
             logits = self.adjust(logits, drafts)
         if self.grammar is not None:
             logits = self.grammar.mask(logits, drafts)
+            logits = self._end_where_nothing_is_allowed(logits)
+        return logits
+
+    def _end_where_nothing_is_allowed(self, logits):
+        """A row with no token left (the grammar allows only the end while min_tokens or
+        ignore_eos holds the end back) ends the output there: the grammar wins."""
+        dead = ~torch.isfinite(logits).any(dim=-1)
+        if not bool(dead.any()):
+            return logits
+        logits = logits.clone()
+        eos = sorted(self.engine.eos_token_ids)
+        if logits.dim() == 1:
+            logits[eos] = 0.0
+        else:
+            logits[dead.nonzero(as_tuple=True)[0].unsqueeze(1), torch.tensor(eos).unsqueeze(0)] = 0.0
         return logits
 
     def _pick(self, row) -> int:
@@ -322,7 +347,7 @@ class Generation:
 
     def _logprob(self, row, token: int) -> tuple[str, float, list[tuple[str, float]]]:
         """(text, log-probability, the `logprobs` likeliest (text, log-probability)) at one position."""
-        logp = torch.log_softmax(row.float(), dim=-1)
+        logp = torch.log_softmax(row.float(), dim=-1).clamp(min=LOGPROB_FLOOR)  # JSON has no -Infinity
         top: list[tuple[str, float]] = []
         if self.params.logprobs:
             values, ids = torch.topk(logp, self.params.logprobs)

@@ -46,6 +46,7 @@ from draft.factory import build_proposers
 from draft.proposers import Proposer
 from engines.base import Engine, PassStopped
 from engines.factory import build_engine
+from engines.grammar import GrammarState, compiler_for
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from engines.worker_clock import Mark, WorkerClock
 from host_tuning.lookup_window import PrefillWindow
@@ -103,6 +104,9 @@ class ModelService:
         self.engine = engine or build_engine(config.engine, host.cores_shared)
         self.stats = EngineStats()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{config.engine.model_id}")
+        # Grammars compile here, never on the event loop or the engine's worker: a slow one
+        # delays only the request that sent it.
+        self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.worker_clock = WorkerClock()  # splits a prompt's engine_queue into what ran ahead of it
         # Host tuning: a prefill beside the ingress's cache lookup leaves it a core meanwhile.
         self.window = PrefillWindow() if host.window else None
@@ -304,7 +308,8 @@ class ModelService:
                 finished = True
                 yield GenerateChunk("", 0, "abort", len(request.prompt_token_ids), 0, {"deadline_expired": 1.0})
                 return
-            gen = Generation(self.engine, request, self._speculation(request))
+            grammar = await self._grammar(request)
+            gen = Generation(self.engine, request, self._speculation(request), grammar)
             self._live[request.request_id] = gen
             early = self._early_hints.pop(request.request_id, None)
             if early is not None:
@@ -363,6 +368,16 @@ class ModelService:
         while len(self._early_hints) > self.EARLY_HINTS_KEPT:
             self._early_hints.popitem(last=False)
         return False
+
+    async def _grammar(self, request: GenerateRequest) -> GrammarState | None:
+        """The request's grammar, compiled on the grammar thread (cached per tenant)."""
+        structured = request.sampling.structured
+        if structured is None:
+            return None
+        compiler = compiler_for(self.engine.tokenizer, self.engine.eos_token_ids)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._grammar_thread, compiler.state, structured, request.cache_salt
+        )
 
     async def _step(self, gen: Generation) -> GenerateChunk:
         """The next decode step of `gen`, batched with whatever other steps are waiting."""

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import atexit
 import collections
+import hashlib
 import logging
+import os
 import random
 import re
 import struct
@@ -127,6 +129,7 @@ class Tracer:
 
         self.exporter = exporter
         self._bound = TraceIdRatioBased.get_bound_for_rate(sample_ratio)
+        self._sample_key = os.urandom(16)
         self.interval_s = interval_s
         # Each entry is one request's spans, or the function that makes them.
         self._queue: collections.deque[list[SpanData] | Callable[[], list[SpanData]]] = collections.deque()
@@ -145,9 +148,15 @@ class Tracer:
         not force it past the ratio (a client could make every request pay for spans)."""
         parent = parse_traceparent(headers)
         if parent is not None:
-            return parent, parent.trace_id, parent.sampled and (parent.trace_id & 0xFFFFFFFFFFFFFFFF) < self._bound
+            return parent, parent.trace_id, parent.sampled and self._keep(parent.trace_id)
         trace_id = new_id(128)
-        return None, trace_id, (trace_id & 0xFFFFFFFFFFFFFFFF) < self._bound
+        return None, trace_id, self._keep(trace_id)
+
+    def _keep(self, trace_id: int) -> bool:
+        """Sampled at the ratio by a keyed hash of the id: a client chooses its trace ids, so
+        the id's own bits (all zero, say) must not decide."""
+        digest = hashlib.blake2b(trace_id.to_bytes(16, "big"), digest_size=8, key=self._sample_key).digest()
+        return int.from_bytes(digest, "big") < self._bound
 
     def emit(self, spans: list[SpanData] | Callable[[], list[SpanData]]) -> None:
         """Queue finished spans, or a function that makes them (called on the export thread, so

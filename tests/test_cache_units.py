@@ -47,7 +47,7 @@ def test_scope_covers_everything_but_the_last_user_turn():
     context, query = split_query(turns)
     assert query == "Hi" and context == turns[:1]
     base = dict(tenant="t", model="chat:m", context=context, sampling={"max_tokens": 5})
-    assert scope_key(**base) == scope_key(**{**base, "context": [{"role": "system", "content": " Be  brief. "}]})
+    assert scope_key(**base) == scope_key(**{**base, "context": [{"role": "system", "content": " Be brief.\n"}]})
     for change in ({"tenant": "u"}, {"model": "chat:n"}, {"sampling": {"max_tokens": 6}},
                    {"context": [{"role": "system", "content": "Be verbose."}]}):
         assert scope_key(**{**base, **change}) != scope_key(**base)
@@ -327,10 +327,13 @@ def test_bounded_mode_verifies_until_verifications_bound_the_error_then_serves_a
     found = cache.lookup_similar("s1", embedder.embed(para), para)
     assert found.outcome == "hint" and found.reason == "verify" and found.entry_key == "b" * 64
     needed = SkipPolicy.labels_needed(0.05)
+    for _ in range(needed):  # another tenant's clean verifications teach t1's policy nothing
+        cache.verified("other", found.score, True, tenant="t2")
+    assert cache.lookup_similar("s1", embedder.embed(para), para).outcome == "hint", "another tenant's labels counted"
     for _ in range(needed - 1):
-        cache.verified("other", found.score, True)
+        cache.verified("other", found.score, True, tenant="t1")
     assert cache.lookup_similar("s1", embedder.embed(para), para).outcome == "hint", "served before the bound held"
-    cache.verified("other", found.score, True)
+    cache.verified("other", found.score, True, tenant="t1")
     served = cache.lookup_similar("s1", embedder.embed(para), para)
     assert served.outcome == "hit" and served.reason == "bounded"
     cache.verified("b" * 64, found.score, False)  # the model did not give this entry's answer
@@ -360,3 +363,54 @@ def test_the_skip_policy_keeps_the_realised_error_rate_under_its_bound():
             policy.observe(score, key, correct)
     assert policy.threshold is not None and 0.94 <= policy.threshold <= 0.97, policy.threshold
     assert served > 4000 and wrong / served <= 0.01, (served, wrong)
+
+
+@pytest.mark.parametrize("kind", ["edge", "qdrant"])
+def test_invalidating_a_tenant_drops_its_x_tenant_namespaces_too(kind, embedder):
+    """DELETE /v1/cache?tenant=K drops K's answers and those of every `x-tenant` namespace
+    inside K ("K/sub"); another key's namespaces stay."""
+    config = CacheConfig.model_validate({"semantic": {"mode": "trust", "store": {"kind": kind}}})
+    cache = ResponseCache(config, make_store(config.semantic.store, embedder.dimensions))
+    q = "What is the capital of France?"
+    for i, tenant in enumerate(("k1", "k1/app", "k2/app")):
+        cache.put(_entry(str(i) * 64, tenant, f"s{i}", q, embedder.embed(q)))
+    assert cache.invalidate("k1") == 2
+    assert cache.lookup_exact("0" * 64) is None and cache.lookup_exact("1" * 64) is None
+    assert cache.lookup_similar("s1", embedder.embed(q), q).outcome == "miss"
+    assert cache.lookup_exact("2" * 64) is not None
+    assert cache.lookup_similar("s2", embedder.embed(q), q).outcome == "hit"
+
+
+def test_guards_do_work_linear_in_the_question():
+    """A near-duplicate with thousands of names and acronyms is judged without quadratic work:
+    doubling its length about doubles the Python lines the guards run, it does not quadruple
+    them. (Counted in lines run, not seconds: a unit test never asserts elapsed time.)"""
+    import sys
+
+    from semantic_cache import guards
+
+    def text(n: int, acronyms: bool) -> str:
+        words = [f"Name{i}" for i in range(n)]
+        if acronyms:
+            words += ["".join(chr(66 + (i // 24 ** j) % 24) for j in range(3)) for i in range(n)]  # BBB, CBB, ...
+        return " ".join(words)
+
+    def lines(n: int) -> int:
+        count = 0
+
+        def trace(frame, event, arg):
+            nonlocal count
+            if event == "line":
+                count += 1
+            return trace
+
+        a, b = text(n, True), text(n, False) + " Extra"
+        sys.settrace(trace)
+        try:
+            guards.mismatch(a, b)
+        finally:
+            sys.settrace(None)
+        return count
+
+    small, large = lines(300), lines(600)
+    assert large < 2.6 * small, (small, large)

@@ -237,3 +237,18 @@ def test_grafana_dashboard_queries_only_exported_metrics_and_shows_each():
     shown = set(exported_names()) - used
     assert not shown, f"exported but on no panel: {sorted(shown)}"
     assert len(REQUEST_METRICS) + len(ENGINE_METRICS) + len(CONTROLLER_METRICS) == len(exported_names())
+
+
+def test_a_client_cannot_force_sampling_with_its_choice_of_trace_id():
+    """Sampling keeps a trace at the ratio by a keyed hash of its id: ids whose low 64 bits are
+    zero (which a ratio test on the id's own bits always keeps) are kept at the ratio too."""
+    import secrets
+
+    tracer, _ = _tracer(ratio=0.05)
+    kept = 0
+    for _ in range(400):
+        trace_id = secrets.token_hex(8) + "0" * 16
+        headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+        _, _, sampled = tracer.start_trace(headers)
+        kept += sampled
+    assert kept < 60, f"{kept} of 400 kept at a 5% ratio"

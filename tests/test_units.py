@@ -634,12 +634,34 @@ def test_exact_cache_ttl_lru_and_tenant_invalidation():
 def test_cache_key_scopes_tenant_context_and_sampling():
     base = dict(tenant="t", model="chat:m", messages=[{"role": "user", "content": "Hi  there"}], sampling={"max_tokens": 5})
     key = exact_key(**base)
-    assert key == exact_key(**{**base, "messages": [{"role": "user", "content": "Hi there"}]})  # whitespace only
+    assert key == exact_key(**{**base, "messages": [{"role": "user", "content": " Hi  there\n"}]})  # ends only
+    # Whitespace inside is the text: code that differs only in its indentation is other code.
+    assert key != exact_key(**{**base, "messages": [{"role": "user", "content": "Hi there"}]})
+    code = lambda indent: [{"role": "user", "content": f"def f():\n{indent}return 1"}]  # noqa: E731
+    assert exact_key(**{**base, "messages": code("    ")}) != exact_key(**{**base, "messages": code("  ")})
     assert key != exact_key(**{**base, "tenant": "u"})
     assert key != exact_key(**{**base, "sampling": {"max_tokens": 6}})
     with_history = [{"role": "user", "content": "Earlier"}, {"role": "assistant", "content": "Ok"}] + base["messages"]
     assert key != exact_key(**{**base, "messages": with_history})
     assert key != exact_key(**{**base, "messages": [{"role": "system", "content": "x"}] + base["messages"]})
+
+
+def test_cache_key_covers_tool_calls_ids_and_names():
+    """Two agent conversations that differ only in a tool call's arguments, its id, the result's
+    call id or a sender's name are other conversations: never one cached answer for both."""
+    def convo(arguments='{"city": "Paris"}', call_id="call_1", answers="call_1", name=None):
+        user = {"role": "user", "content": "Weather?", **({"name": name} if name else {})}
+        return [user,
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "name": "w", "arguments": arguments}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": answers},
+                {"role": "user", "content": "And so?"}]
+    key = lambda messages: exact_key(tenant="t", model="chat:m", messages=messages, sampling={})  # noqa: E731
+    base = key(convo())
+    assert base == key(convo())
+    assert base != key(convo(arguments='{"city": "Rome"}'))
+    assert base != key(convo(call_id="call_2"))
+    assert base != key(convo(answers="call_9"))
+    assert base != key(convo(name="alice"))
 
 
 # --------------------------------------------------------------------------- router

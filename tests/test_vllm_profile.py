@@ -141,3 +141,21 @@ def test_rayservice_manifest_carries_the_profile_unchanged_but_for_the_pod_host(
     group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     assert group["replicas"] == 3
     assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_rayservice_dashboard_is_reachable_by_the_operator_only(capsys):
+    """The dashboard's job API runs code unauthenticated: the rendered manifest carries a
+    NetworkPolicy that lets only KubeRay's operator (and Ray's own pods) reach its port."""
+    import yaml
+
+    from configs.rayservice import DASHBOARD_PORT, SERVE_PORT, main
+
+    assert main([str(GPU_PROFILE), "--image", "registry.example/latency-serve:1"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["RayService", "NetworkPolicy"]
+    rules = docs[1]["spec"]["ingress"]
+    open_ports = [p["port"] for r in rules if "from" not in r for p in r["ports"]]
+    assert open_ports == [SERVE_PORT]
+    dashboard = [r for r in rules if any(p["port"] == DASHBOARD_PORT for p in r.get("ports", []))]
+    assert len(dashboard) == 1
+    assert dashboard[0]["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
