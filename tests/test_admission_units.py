@@ -519,3 +519,71 @@ def test_a_model_whose_seats_are_all_taken_starts_nothing_new_and_predicts_the_w
         assert gate.in_time(probe)
 
     asyncio.run(main())
+
+
+def test_one_tenants_flood_never_gets_another_tenants_modest_request_shed():
+    """Tenant A floods with long requests (n: 16 is 16 of them) and far deadlines; B then sends
+    one small chat. A holds at most its share of the slots, the model's seats and the queue, so
+    B starts at once on a reserved seat; and B's next request is served before A's backlog
+    (virtual token counter), so its predicted wait does not count A's queue."""
+    now = [0.0]
+    gate = AdmissionGate(32, 64, 1, ServiceEstimates(10.0, 0.1), safety=1.0, clock=lambda: now[0], tenant_share=0.75)
+    gate.seats = {"m": 8}
+
+    async def main():
+        waiting = []
+        for _ in range(6 * 16):
+            t = Ticket("m", "standard", 0, 50, 512, deadline=86_400.0, arrived=0.0, tenant="A")
+            if gate.check(t) is None:
+                waiting.append(asyncio.ensure_future(gate.acquire(t)))
+        await asyncio.sleep(0)
+        assert sum(1 for r in gate.running if r.tenant == "A") == 6, "A holds 3/4 of the 8 seats, not all"
+        assert gate.queued == 48, "and 3/4 of the queue"
+        modest = Ticket("m", "standard", 0, 20, 32, deadline=60.0, arrived=0.0, tenant="B")
+        assert gate.check(modest) is None
+        await gate.acquire(modest)
+        assert modest in gate.running, "B starts at once on a seat A may not take"
+        second = Ticket("m", "standard", 0, 20, 32, deadline=60.0, arrived=0.0, tenant="B")
+        assert len(gate._queue_ahead(second)) <= 1, "A's backlog is not ahead of B's next request"
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_the_queue_serves_tenants_by_tokens_served_not_by_arrival():
+    """One slot; A queued three requests before B queued one: when the slot frees, B (served
+    nothing yet) goes before A's second."""
+    now = [0.0]
+    gate = AdmissionGate(1, 8, 1, ServiceEstimates(1.0, 0.1), safety=1.0, clock=lambda: now[0], tenant_share=1.0)
+
+    async def main():
+        first = Ticket("m", "t", 0, 10, 20, arrived=0.0, tenant="A")
+        await gate.acquire(first)
+        queued = [Ticket("m", "t", 0, 10, 20, arrived=0.0, tenant="A") for _ in range(3)]
+        b = Ticket("m", "t", 0, 10, 20, arrived=0.0, tenant="B")
+        tasks = [asyncio.ensure_future(gate.acquire(t)) for t in (*queued, b)]
+        await asyncio.sleep(0)
+        order = []
+        for _ in range(4):
+            running = next(iter(gate.running))
+            gate.release(running)
+            await asyncio.sleep(0)
+            order.append(next(iter(gate.running)).tenant)
+        assert order[0] == "B", order
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+
+
+def test_a_lone_tenant_under_a_share_of_one_uses_every_seat():
+    gate = AdmissionGate(8, 8, 1, ServiceEstimates(1.0, 0.1), safety=1.0, tenant_share=1.0)
+    gate.seats = {"m": 4}
+
+    async def main():
+        for _ in range(4):
+            await gate.acquire(Ticket("m", "t", 0, 10, 20, tenant="A"))
+        assert gate.inflight == 4
+
+    asyncio.run(main())

