@@ -35,7 +35,8 @@ SUITES = {
     "guidellm": "bench.guidellm",  # guidellm (a public load tool, own env) at 1-8 streams, no headers
     "cluster": "bench.cluster",  # a 4-node local Ray cluster vs one node: cache hit rates, node loss, fleet admission
     "peers": "bench.peers",  # vs vllm serve, Ray Serve LLM, llama.cpp server: guidellm, 4 workloads, goodput
-    "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
+    "load": "bench.load",
+    "hostile": "bench.hostile",  # one attacker per attack class beside one ordinary tenant: /health, bystander TTFT  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
 }
 
 

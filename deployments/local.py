@@ -8,6 +8,7 @@ here with logical CPUs to spare and on a free loopback port.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import socket
 import time
@@ -75,8 +76,10 @@ def running_service_urls(
     serve_file: ServeFile | None = None,
     tweak: Callable[[AppArgs], None] | None = None,
     startup_timeout_s: float = 300,
+    options: Callable[[dict[str, dict]], None] | None = None,
 ) -> Iterator[ServiceURLs]:
     """Start the graph; yield its URLs once healthy on each; shut Serve and Ray down afterwards.
+    `options` may change a copy of the deployments' Serve options first.
 
     Both ports are free ones picked here, so a run never collides with a service on 8000/8100."""
     import ray
@@ -103,8 +106,11 @@ def running_service_urls(
         port = free_port()
         logging_config = quiet_logging(serve_file)
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=logging_config)
+        deployment_options = copy.deepcopy(serve_file.deployment_options)
+        if options:
+            options(deployment_options)
         serve.run(
-            build_graph(args, serve_file.deployment_options, logging_config),
+            build_graph(args, deployment_options, logging_config),
             name=serve_file.app_name,
             route_prefix=serve_file.route_prefix,
         )

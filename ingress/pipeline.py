@@ -99,6 +99,10 @@ class Backends(Protocol):
     def late_hint(self, model_id: str, request_id: str, hint_ids: list[int]) -> None: ...
 
 
+# Characters per token, at most, of any text the tokenizer meets: a prompt's length divided by
+# this is a floor of its tokens, charged before it is tokenized.
+CHARS_PER_TOKEN_FLOOR = 8
+
 # How often a request waiting for the router on an idle box checks that it still is.
 RECHECK_S = 0.01
 
@@ -452,6 +456,11 @@ class Pipeline:
     async def _start(self, p: Prepared, f: InFlight) -> None:
         """The cache lookup leaves first; the prompt is tokenized while it flies, and charged to
         the tenant's rate (a tenant already over it costs no tokenizer pass)."""
+        # Paid for before any of it is done: the request and a floor of its prompt's tokens now
+        # (a request that ends in a 400 after tokenizing or a lookup is charged too), the rest
+        # once the tokenizer has counted them.
+        floor = p.chars // CHARS_PER_TOKEN_FLOOR
+        self.admission.charge_tenant(p.ctx, floor)
         use_cache = p.cache_key is not None and not p.ctx.no_cache
         p.cache_state = "miss" if use_cache else "bypass"
         if use_cache:
@@ -459,13 +468,12 @@ class Pipeline:
             await asyncio.sleep(0)  # let the exact-match hop leave, then tokenize while it flies
         else:
             p.lookup_done.set()
-        self.admission.precheck_tenant(p.ctx)
         if p.chars > INLINE_TOKENIZE_CHARS:  # a long prompt: off the loop that answers everyone
             await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self.preparer.tokenize, p)
         else:
             self.preparer.tokenize(p)
         p.clock.stage("tokenize")
-        self.admission.charge_tenant(p.ctx, len(p.prompt_ids) + p.sampling.max_tokens)
+        self.admission.charge_work(p.ctx, len(p.prompt_ids) + p.sampling.max_tokens - floor)
 
     def _shed_hopeless(self, p: Prepared) -> tuple[RouteDecision | None, list[Ticket]]:
         """Hopeless for every model that could answer: shed now, before waiting on the lookup

@@ -83,3 +83,50 @@ def test_cache_replica_killed_degrades_to_misses(service):
     assert time.monotonic() - start < 30, "a dead cache costs at most the stage timeout, not the request"
     assert service.http.get("/health").json()["cache"]["lookup_failures"] > failures, "the lookup did fail"
     assert wait_replaced(app, "SemanticCache", victim)
+
+
+def test_an_ingress_replica_lost_under_load_never_refuses_a_connection(service):
+    """The shipped config runs two ingress replicas on one direct port: when one dies, the
+    other takes every new connection. Only requests in flight on the lost replica may fail
+    (two clients: two at most); no client is ever refused a connection."""
+    from deployments.local import another_app, free_port
+
+    args = service.config.args.model_copy(deep=True)
+    args.ingress.direct_port = free_port()
+    with another_app(service.config, args, "door", service.proxy_url) as base:
+        ingress = replicas("door", "Ingress")
+        assert len(ingress) == 2, ingress
+        stop = threading.Event()
+        outcomes: list[str] = []
+
+        def client(k: int) -> None:
+            with httpx.Client(base_url=base, timeout=120) as http:
+                i = 0
+                while not stop.is_set():
+                    body = {"model": TARGET, "max_tokens": 2, "temperature": 0,
+                            "messages": [{"role": "user", "content": f"Say {k}-{i}."}]}
+                    try:
+                        resp = http.post("/v1/chat/completions", json=body, headers=NO_CACHE)
+                        outcomes.append(str(resp.status_code))
+                    except httpx.HTTPError as exc:
+                        outcomes.append(type(exc).__name__)
+                        time.sleep(0.1)
+                    i += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(2.0)
+            kill_replica(ingress[0])
+            time.sleep(8.0)  # the survivor carries the door meanwhile
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=180)
+        refused = outcomes.count("ConnectError")
+        broken = [o for o in outcomes if not o.isdigit() and o != "ConnectError"]
+        assert refused == 0, f"{refused} connections refused: {outcomes}"
+        assert len(broken) <= 2, outcomes
+        assert outcomes.count("200") > 4, outcomes
+        assert wait_replaced("door", "Ingress", ingress[0])

@@ -1,0 +1,194 @@
+"""Suite `hostile`: one attacker beside one ordinary tenant, for each attack class.
+
+For each class the attacker sends its requests for a fixed window (bounded in count and time,
+loopback only) while a bystander tenant sends small streamed chats one after another and a
+prober asks `/health` every 20 ms. Reported per class: `/health` p50/p99/max, the bystander's
+TTFT p50 against its TTFT on the idle service, every status code each side got, and what the
+attacker paid: the usage its answers reported and the 429s its tenant's buckets gave it.
+
+Classes: deep schema (a fresh title each time), huge regex, many tools, big tool text,
+near-duplicate flood (long near-copies of one cached question), embeddings bulk, n-flood (n: 16,
+max_tokens 512, ignore_eos, a 24-hour deadline), batch poison (a grammar that allows one short
+answer with min_tokens and sampling). The goals (issue text): /health p99 <= 100 ms, no 5xx,
+the bystander answered with TTFT <= 2x idle.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+
+from configs.serve_config import load_serve_config
+from deployments.local import running_service
+
+WINDOW_S = 12.0
+ATTACKERS = 2  # concurrent attacker connections
+MAX_ATTACK_REQUESTS = 200  # per class, in all
+BYSTANDER = {"authorization": "Bearer sk-bench-bystander", "content-type": "application/json",
+             "cache-control": "no-cache"}
+ATTACKER = {"authorization": "Bearer sk-bench-attacker", "content-type": "application/json"}
+BYSTANDER_QUESTIONS = ["Name a color.", "Name a fruit.", "Name a planet.", "Name an ocean."]
+
+
+def _deep_schema(depth: int, title: str) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return {**schema, "title": title}
+
+
+def _chat(content: str, **fields) -> dict:
+    return {"model": "auto", "messages": [{"role": "user", "content": content}], "max_tokens": 8, **fields}
+
+
+def _attacks(model: str) -> dict[str, Callable[[int], tuple[str, dict, dict]]]:
+    """class -> i -> (path, body, extra headers)."""
+    near = "Explain how a hash table handles collisions, with an example. " * 6000  # ~370 KB
+
+    def tools(n: int, text: int) -> list[dict]:
+        return [{"type": "function", "function": {"name": f"f{k}", "description": "d" * text, "parameters": {
+            "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(8)}}}} for k in range(n)]
+
+    return {
+        "deep_schema": lambda i: ("/v1/chat/completions", _chat("hi", guided_json=_deep_schema(30, f"t{i}-{time.time_ns()}")), {}),
+        "huge_regex": lambda i: ("/v1/chat/completions", _chat("hi", guided_regex="(" + "|".join(
+            f"a{j}b{i}" for j in range(400)) + "){1,50}"), {}),
+        "many_tools": lambda i: ("/v1/chat/completions", _chat(f"hi {i}", tools=tools(128, 50)), {}),
+        "big_tool_text": lambda i: ("/v1/chat/completions", _chat(f"hi {i}", tools=tools(40, 2400)), {}),
+        "near_duplicate_flood": lambda i: ("/v1/chat/completions", _chat(near + f" {i}", max_tokens=1), {}),
+        "embeddings_bulk": lambda i: ("/v1/embeddings", {"model": "all-MiniLM-L6-v2",
+                                                         "input": [f"text number {i} " * 40] * 64}, {}),
+        "n_flood": lambda i: ("/v1/chat/completions", {**_chat(f"Write a long story {i}.", n=16, max_tokens=512,
+                                                               ignore_eos=True, temperature=0.8, model=model)},
+                              {"x-request-deadline-ms": str(86_400_000)}),
+        "batch_poison": lambda i: ("/v1/chat/completions", _chat("Yes or no?", guided_choice=["y"], min_tokens=8,
+                                                                 temperature=0.9, max_tokens=16), {}),
+    }
+
+
+def _bystander_ttft(http: httpx.Client, question: str) -> tuple[int, float | None]:
+    body = {"model": "auto", "messages": [{"role": "user", "content": question}], "max_tokens": 16, "stream": True}
+    start = time.perf_counter()
+    ttft = None
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=BYSTANDER) as resp:
+        for line in resp.iter_lines():
+            if ttft is None and line.startswith("data: {") and '"content"' in line:
+                ttft = (time.perf_counter() - start) * 1000
+        return resp.status_code, ttft
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[int(q * (len(ordered) - 1))], 1)
+
+
+def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict]], idle_ttft: float) -> dict:
+    stop = threading.Event()
+    attacker_codes: Counter = Counter()
+    bystander_codes: Counter = Counter()
+    charged = {"prompt_tokens": 0, "completion_tokens": 0}
+    health_ms: list[float] = []
+    ttfts: list[float] = []
+    sent = [0]
+    lock = threading.Lock()
+
+    def attack() -> None:
+        with httpx.Client(base_url=base, timeout=120) as http:
+            while not stop.is_set():
+                with lock:
+                    if sent[0] >= MAX_ATTACK_REQUESTS:
+                        return
+                    i = sent[0]
+                    sent[0] += 1
+                path, body, extra = make(i)
+                try:
+                    resp = http.post(path, content=json.dumps(body), headers={**ATTACKER, **extra})
+                except httpx.HTTPError as exc:
+                    attacker_codes[type(exc).__name__] += 1
+                    continue
+                attacker_codes[str(resp.status_code)] += 1
+                if resp.status_code == 200:
+                    usage = resp.json().get("usage") or {}
+                    charged["prompt_tokens"] += usage.get("prompt_tokens", 0)
+                    charged["completion_tokens"] += usage.get("completion_tokens", 0)
+
+    def probe() -> None:
+        with httpx.Client(base_url=base, timeout=30) as http:
+            while not stop.is_set():
+                t = time.perf_counter()
+                http.get("/health")
+                health_ms.append((time.perf_counter() - t) * 1000)
+                time.sleep(0.02)
+
+    def bystand() -> None:
+        with httpx.Client(base_url=base, timeout=120) as http:
+            k = 0
+            while not stop.is_set():
+                status, ttft = _bystander_ttft(http, BYSTANDER_QUESTIONS[k % len(BYSTANDER_QUESTIONS)] + f" ({k})")
+                bystander_codes[str(status)] += 1
+                if ttft is not None:
+                    ttfts.append(ttft)
+                k += 1
+
+    threads = [threading.Thread(target=attack) for _ in range(ATTACKERS)]
+    threads += [threading.Thread(target=probe), threading.Thread(target=bystand)]
+    for t in threads:
+        t.start()
+    time.sleep(WINDOW_S)
+    stop.set()
+    for t in threads:
+        t.join(timeout=180)
+    ttft_p50 = _pct(ttfts, 0.5)
+    fivexx = sum(v for k, v in (attacker_codes + bystander_codes).items() if k.startswith("5"))
+    return {
+        "class": name,
+        "attack_requests": sent[0],
+        "attacker_status": dict(attacker_codes),
+        "attacker_charged_usage": charged,
+        "attacker_rate_limited": attacker_codes.get("429", 0),
+        "bystander_status": dict(bystander_codes),
+        "bystander_ttft_ms_p50": ttft_p50,
+        "bystander_ttft_vs_idle": round(ttft_p50 / idle_ttft, 2) if ttft_p50 and idle_ttft else None,
+        "health_ms": {"p50": _pct(health_ms, 0.5), "p99": _pct(health_ms, 0.99), "max": _pct(health_ms, 1.0),
+                      "probes": len(health_ms)},
+        "server_errors": fivexx,
+        "goals_met": {
+            "health_p99_le_100ms": (_pct(health_ms, 0.99) or 0) <= 100.0,
+            "no_5xx": fivexx == 0,
+            "bystander_answered": bystander_codes.get("200", 0) > 0 and set(bystander_codes) == {"200"},
+            "bystander_ttft_le_2x_idle": bool(ttft_p50 and idle_ttft and ttft_p50 <= 2 * idle_ttft),
+        },
+    }
+
+
+def run(quick: bool = False) -> dict:
+    serve_file = load_serve_config()
+    model = serve_file.args.draft.engine.model_id
+    attacks = _attacks(model)
+    if quick:
+        attacks = {k: attacks[k] for k in ("deep_schema", "n_flood", "batch_poison")}
+    results = []
+    with running_service(serve_file) as base:
+        with httpx.Client(base_url=base, timeout=120) as http:
+            for k in range(3):  # warm-up
+                _bystander_ttft(http, f"Say hello ({k}).")
+            idle = [t for k in range(8) if (t := _bystander_ttft(http, f"Name an animal ({k}).")[1]) is not None]
+        idle_ttft = statistics.median(idle)
+        for name, make in attacks.items():
+            results.append(_one_class(base, name, make, idle_ttft))
+            time.sleep(3.0)  # let the queue drain before the next class
+    return {
+        "window_s": WINDOW_S,
+        "attackers": ATTACKERS,
+        "bystander_idle_ttft_ms_p50": round(idle_ttft, 1),
+        "classes": results,
+        "all_goals_met": all(all(r["goals_met"].values()) for r in results),
+    }
