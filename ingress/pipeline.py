@@ -85,6 +85,7 @@ class Embedder(Protocol):
     async def embed_async(self, text: str) -> Any: ...
     async def embed_many_async(self, texts: list[str]) -> Any: ...
     async def count_tokens_async(self, texts: list[str]) -> list[int]: ...
+    def sibling(self) -> "Embedder": ...
 
 
 class Backends(Protocol):
@@ -371,8 +372,13 @@ class Pipeline:
             return Response(status_code=499)
 
     async def _api_embedder(self) -> Embedder:
-        """A MiniLM of its own, on its own thread, loaded on the first embeddings call: an
-        embeddings job never queues in front of the router's embedding of a chat request."""
+        """A MiniLM on a thread of its own: an embeddings job never queues in front of the
+        router's embedding of a chat request. The router's model on another thread where it
+        runs here; else one loaded on the first embeddings call."""
+        if self._embedder_loading is None and self.embedder is not None:
+            self._embedder_loading = asyncio.ensure_future(
+                asyncio.get_running_loop().run_in_executor(None, self.embedder.sibling)
+            )
         if self._embedder_loading is None:
             from semantic_cache.embedder import Embedder as Loaded
 

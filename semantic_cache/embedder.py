@@ -14,6 +14,7 @@ onnxruntime runs the same float32 pass faster than torch's pick (`runtime`, meas
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import statistics
 import time
@@ -145,6 +146,14 @@ class Embedder:
         self.runtime, self.precision = "onnxruntime", "float32"
         return onnx
 
+    def sibling(self) -> "Embedder":
+        """The same loaded model on a thread of its own: bulk work on it (/v1/embeddings) never
+        queues in front of this one's single-text embeddings. Inference only reads the weights."""
+        twin = copy.copy(self)
+        twin._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed-bulk")
+        twin._executor.submit(_one_thread).result()
+        return twin
+
     def embed(self, text: str) -> np.ndarray:
         """Unit-length float32 vector, so cosine similarity is a dot product."""
         return self._executor.submit(self._embed, text).result()
@@ -188,6 +197,12 @@ class Embedder:
 
     async def embed_async(self, text: str) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed, text)
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _bf16_emulated() -> bool:
