@@ -28,7 +28,9 @@ from configs.serve_config import load_serve_config
 from deployments.local import running_service
 
 WINDOW_S = 12.0
-ATTACKERS = 2  # concurrent attacker connections
+ATTACKERS = 2  # concurrent attacker connections (the n-flood: N_FLOOD_ATTACKERS)
+N_FLOOD_ATTACKERS = 6
+ATTACK_TIMEOUT_S = WINDOW_S + 5  # an attack request still running then is dropped (its client leaves)
 MAX_ATTACK_REQUESTS = 200  # per class, in all
 BYSTANDER = {"authorization": "Bearer sk-bench-bystander", "content-type": "application/json",
              "cache-control": "no-cache"}
@@ -90,7 +92,8 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(ordered[int(q * (len(ordered) - 1))], 1)
 
 
-def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict]], idle_ttft: float) -> dict:
+def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict]], idle_ttft: float,
+               attackers: int) -> dict:
     stop = threading.Event()
     attacker_codes: Counter = Counter()
     bystander_codes: Counter = Counter()
@@ -101,7 +104,7 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
     lock = threading.Lock()
 
     def attack() -> None:
-        with httpx.Client(base_url=base, timeout=120) as http:
+        with httpx.Client(base_url=base, timeout=ATTACK_TIMEOUT_S) as http:
             while not stop.is_set():
                 with lock:
                     if sent[0] >= MAX_ATTACK_REQUESTS:
@@ -138,7 +141,7 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
                     ttfts.append(ttft)
                 k += 1
 
-    threads = [threading.Thread(target=attack) for _ in range(ATTACKERS)]
+    threads = [threading.Thread(target=attack) for _ in range(attackers)]
     threads += [threading.Thread(target=probe), threading.Thread(target=bystand)]
     for t in threads:
         t.start()
@@ -150,6 +153,7 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
     fivexx = sum(v for k, v in (attacker_codes + bystander_codes).items() if k.startswith("5"))
     return {
         "class": name,
+        "attackers": attackers,
         "attack_requests": sent[0],
         "attacker_status": dict(attacker_codes),
         "attacker_charged_usage": charged,
@@ -183,7 +187,8 @@ def run(quick: bool = False) -> dict:
             idle = [t for k in range(8) if (t := _bystander_ttft(http, f"Name an animal ({k}).")[1]) is not None]
         idle_ttft = statistics.median(idle)
         for name, make in attacks.items():
-            results.append(_one_class(base, name, make, idle_ttft))
+            attackers = N_FLOOD_ATTACKERS if name == "n_flood" else ATTACKERS
+            results.append(_one_class(base, name, make, idle_ttft, attackers))
             time.sleep(3.0)  # let the queue drain before the next class
     return {
         "window_s": WINDOW_S,

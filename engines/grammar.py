@@ -75,16 +75,17 @@ def check_depth(spec: Any, where: str, limit: int = MAX_SPEC_DEPTH) -> None:
         raise GrammarError(f"{where} nests deeper than {limit} levels")
 
 
-def check(structured: StructuredOutput) -> None:
+def check(structured: StructuredOutput, tenant: str | None = None) -> None:
     """Raise `GrammarError` if it will not compile; needs no tokenizer (the ingress's 400). A spec
-    sent again is not converted again: successes and failures are both remembered."""
-    reason = _checked(structured)
+    a tenant sends again is not converted again: successes and failures are both remembered,
+    per tenant, so no tenant can learn by timing whether another sent a schema."""
+    reason = _checked(structured, tenant)
     if reason is not None:
         raise GrammarError(reason)
 
 
 @functools.lru_cache(maxsize=1024)
-def _checked(structured: StructuredOutput) -> str | None:
+def _checked(structured: StructuredOutput, tenant: str | None) -> str | None:
     """Why it will not compile, or None. Cached either way, so a spec that fails costs its
     conversion once, not on every request that sends it again."""
     import xgrammar as xgr

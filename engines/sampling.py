@@ -82,6 +82,22 @@ class LogitsAdjuster:
             x[:held, self.eos_ids] = float("-inf")
         return x[0] if single else x
 
+def end_where_nothing_is_allowed(logits: torch.Tensor, eos_ids: frozenset[int]) -> torch.Tensor:
+    """A row with no token left to choose (a grammar that allows only the end while min_tokens
+    or ignore_eos holds the end back) ends the output there: the grammar wins, and no sampler
+    meets a row of -inf. `logits` is [vocab] or [rows, vocab]."""
+    dead = ~torch.isfinite(logits).any(dim=-1)
+    if not bool(dead.any()):
+        return logits
+    logits = logits.clone()
+    eos = torch.tensor(sorted(eos_ids))
+    if logits.dim() == 1:
+        logits[eos] = 0.0
+    else:
+        logits[dead.nonzero(as_tuple=True)[0].unsqueeze(1), eos.unsqueeze(0)] = 0.0
+    return logits
+
+
 # Below this, logits / temperature overflows float32 and softmax returns NaN; a temperature this
 # small is greedy in all but name, so it is computed as this one.
 MIN_TEMPERATURE = 1e-4

@@ -134,7 +134,7 @@ class Preparer:
         # Grammar conversions (xgrammar's C++, which releases the GIL): off the event loop, two
         # at a time at most, so one slow schema delays no other request's check for long.
         self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
-        self._too_slow: OrderedDict[StructuredOutput, None] = OrderedDict()
+        self._too_slow: OrderedDict[tuple[str, StructuredOutput], None] = OrderedDict()  # (tenant, grammar)
 
     async def read_json(self, request: Request) -> Any:
         limit = self.args.ingress.max_body_bytes
@@ -301,13 +301,14 @@ class Preparer:
             return
         param = p.grammar_param
         budget = self.args.ingress.limits.grammar_timeout_s
-        if structured in self._too_slow:
+        key = (p.ctx.tenant, structured)
+        if key in self._too_slow:
             raise _too_complex(param, budget)
-        future = asyncio.get_running_loop().run_in_executor(self._grammar_threads, check, structured)
+        future = asyncio.get_running_loop().run_in_executor(self._grammar_threads, check, structured, p.ctx.tenant)
         try:
             await asyncio.wait_for(asyncio.shield(future), budget)
         except asyncio.TimeoutError:
-            self._too_slow[structured] = None
+            self._too_slow[key] = None
             while len(self._too_slow) > 1024:
                 self._too_slow.popitem(last=False)
             raise _too_complex(param, budget) from None

@@ -25,7 +25,7 @@ from engines.base import Engine
 from engines.blocks import salt_root
 from engines.detokenizer import IncrementalDetokenizer
 from engines.grammar import GrammarState, compiler_for
-from engines.sampling import LogitsAdjuster, make_generator, sample
+from engines.sampling import LogitsAdjuster, end_where_nothing_is_allowed, make_generator, sample
 from engines.types import GenerateChunk, GenerateRequest
 from target.adaptive import KChooser
 from target.verify import verify
@@ -168,21 +168,7 @@ class Generation:
             logits = self.adjust(logits, drafts)
         if self.grammar is not None:
             logits = self.grammar.mask(logits, drafts)
-            logits = self._end_where_nothing_is_allowed(logits)
-        return logits
-
-    def _end_where_nothing_is_allowed(self, logits):
-        """A row with no token left (the grammar allows only the end while min_tokens or
-        ignore_eos holds the end back) ends the output there: the grammar wins."""
-        dead = ~torch.isfinite(logits).any(dim=-1)
-        if not bool(dead.any()):
-            return logits
-        logits = logits.clone()
-        eos = sorted(self.engine.eos_token_ids)
-        if logits.dim() == 1:
-            logits[eos] = 0.0
-        else:
-            logits[dead.nonzero(as_tuple=True)[0].unsqueeze(1), torch.tensor(eos).unsqueeze(0)] = 0.0
+            logits = end_where_nothing_is_allowed(logits, self.engine.eos_token_ids)
         return logits
 
     def _pick(self, row) -> int:
