@@ -137,6 +137,10 @@ class AdmissionGate:
         tenant_share: float = 1.0,
     ) -> None:
         self.tenant_share = tenant_share
+        # This ingress replica's share of the fleet (1 / live ingress replicas, from the
+        # controller): a tenant's cap on a model's seats is of this replica's share of them,
+        # so the replicas together never let one tenant take the seats kept for others.
+        self.ingress_share = 1.0
         self._served: dict[str, float] = {}  # tenant -> tokens started (the virtual token counter)
         self.max_inflight = max_inflight
         self.max_queued = max_queued
@@ -195,7 +199,9 @@ class AdmissionGate:
         if len(mine) >= self._cap(self.max_inflight):
             return False
         seats = self.seats.get(t.model_id)
-        return seats is None or sum(1 for r in mine if r.model_id == t.model_id) < self._cap(seats)
+        if seats is None:
+            return True
+        return sum(1 for r in mine if r.model_id == t.model_id) < self._cap(seats * self.ingress_share)
 
     def _counter(self, tenant: str) -> float:
         """A tenant's virtual counter, lifted to the least-served waiting tenant's if it fell
@@ -445,6 +451,10 @@ class AdmissionGate:
         its own, its tenant's with an earlier deadline, and another tenant's whose virtual
         counter, with that tenant's earlier tickets started, stays below `t`'s tenant's."""
         live = sorted((e for e in self._queue if not e[4].done() and e[0] <= t.priority), key=lambda e: e[:3])
+        # A tenant at its cap starts nothing more until one of its own ends: its queue is not
+        # ahead of anyone else's.
+        room = {q.tenant: self._tenant_room(q) for _, _, _, q, _ in live if q.tenant != t.tenant}
+        live = [e for e in live if e[3].tenant == t.tenant or room[e[3].tenant]]
         ahead = [q for p, _, _, q, _ in live if p < t.priority]
         same = [q for p, _, _, q, _ in live if p == t.priority]
         own = [q for q in same if q.tenant == t.tenant and (q.deadline or INF) <= (t.deadline or INF)]
@@ -460,9 +470,10 @@ class AdmissionGate:
         return ahead + own
 
     def _next(self) -> tuple[Ticket, asyncio.Future[None]] | None:
-        """The queued ticket to start next: the highest priority; in it, the least-served
-        tenant (virtual counter), and its earliest deadline."""
-        live = [e for e in self._queue if not e[4].done()]
+        """The queued ticket to start next: of the tenants under their cap, the highest
+        priority; in it, the least-served tenant (virtual counter), and its earliest deadline.
+        None when no queued ticket's tenant may start one now."""
+        live = [e for e in self._queue if not e[4].done() and self._tenant_room(e[3])]
         if not live:
             return None
         top = min(e[0] for e in live)
@@ -543,8 +554,7 @@ class AdmissionGate:
         while self._queue and self.inflight < self.max_inflight:
             found = self._next()
             if found is None:
-                self._queue = []
-                return
+                return  # nothing queued, or only tenants at their cap: a release wakes them
             t, waiter = found
             now = self._clock()
             if not self._takes_now(t, now):

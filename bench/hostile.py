@@ -65,7 +65,7 @@ def _attacks(model: str) -> dict[str, Callable[[int], tuple[str, dict, dict]]]:
         "big_tool_text": lambda i: ("/v1/chat/completions", _chat(f"hi {i}", tools=tools(40, 2400)), {}),
         "near_duplicate_flood": lambda i: ("/v1/chat/completions", _chat(near + f" {i}", max_tokens=1), {}),
         "embeddings_bulk": lambda i: ("/v1/embeddings", {"model": "all-MiniLM-L6-v2",
-                                                         "input": [f"text number {i} " * 40] * 64}, {}),
+                                                         "input": [f"text number {i} " * 12] * 64}, {}),
         "n_flood": lambda i: ("/v1/chat/completions", {**_chat(f"Write a long story {i}.", n=16, max_tokens=512,
                                                                ignore_eos=True, temperature=0.8, model=model)},
                               {"x-request-deadline-ms": str(86_400_000)}),
@@ -74,15 +74,19 @@ def _attacks(model: str) -> dict[str, Callable[[int], tuple[str, dict, dict]]]:
     }
 
 
-def _bystander_ttft(http: httpx.Client, question: str) -> tuple[int, float | None]:
+def _bystander_ttft(http: httpx.Client, question: str) -> tuple[str, float | None]:
+    """(status, or status:code for an error; TTFT ms of a streamed answer)."""
     body = {"model": "auto", "messages": [{"role": "user", "content": question}], "max_tokens": 16, "stream": True}
     start = time.perf_counter()
     ttft = None
     with http.stream("POST", "/v1/chat/completions", json=body, headers=BYSTANDER) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return f"{resp.status_code}:{(resp.json().get('error') or {}).get('code')}", None
         for line in resp.iter_lines():
             if ttft is None and line.startswith("data: {") and '"content"' in line:
                 ttft = (time.perf_counter() - start) * 1000
-        return resp.status_code, ttft
+        return "200", ttft
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -117,7 +121,8 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
                 except httpx.HTTPError as exc:
                     attacker_codes[type(exc).__name__] += 1
                     continue
-                attacker_codes[str(resp.status_code)] += 1
+                attacker_codes[str(resp.status_code) if resp.status_code == 200 else
+                               f"{resp.status_code}:{(resp.json().get('error') or {}).get('code')}"] += 1
                 if resp.status_code == 200:
                     usage = resp.json().get("usage") or {}
                     charged["prompt_tokens"] += usage.get("prompt_tokens", 0)
@@ -136,9 +141,11 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
             k = 0
             while not stop.is_set():
                 status, ttft = _bystander_ttft(http, BYSTANDER_QUESTIONS[k % len(BYSTANDER_QUESTIONS)] + f" ({k})")
-                bystander_codes[str(status)] += 1
+                bystander_codes[status] += 1
                 if ttft is not None:
                     ttfts.append(ttft)
+                else:
+                    time.sleep(1.0)  # a refusal: back off as the openai SDK does
                 k += 1
 
     threads = [threading.Thread(target=attack) for _ in range(attackers)]
@@ -150,14 +157,15 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
     for t in threads:
         t.join(timeout=180)
     ttft_p50 = _pct(ttfts, 0.5)
-    fivexx = sum(v for k, v in (attacker_codes + bystander_codes).items() if k.startswith("5"))
+    fivexx = sum(v for k, v in (attacker_codes + bystander_codes).items() if k.startswith("5") and
+                 not k.endswith(_SHEDS))
     return {
         "class": name,
         "attackers": attackers,
         "attack_requests": sent[0],
         "attacker_status": dict(attacker_codes),
         "attacker_charged_usage": charged,
-        "attacker_rate_limited": attacker_codes.get("429", 0),
+        "attacker_rate_limited": sum(v for k, v in attacker_codes.items() if k.startswith("429")),
         "bystander_status": dict(bystander_codes),
         "bystander_ttft_ms_p50": ttft_p50,
         "bystander_ttft_vs_idle": round(ttft_p50 / idle_ttft, 2) if ttft_p50 and idle_ttft else None,
@@ -166,11 +174,25 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
         "server_errors": fivexx,
         "goals_met": {
             "health_p99_le_100ms": (_pct(health_ms, 0.99) or 0) <= 100.0,
-            "no_5xx": fivexx == 0,
+            "no_5xx": fivexx == 0,  # sheds (503 with Retry-After) are counted apart
             "bystander_answered": bystander_codes.get("200", 0) > 0 and set(bystander_codes) == {"200"},
+            "attacker_sheds_only": all(not k.startswith("5") or k.endswith(_SHEDS) for k in attacker_codes),
             "bystander_ttft_le_2x_idle": bool(ttft_p50 and idle_ttft and ttft_p50 <= 2 * idle_ttft),
         },
     }
+
+
+# A 503 that sheds load (with Retry-After), not a server fault: what the attacker may get.
+_SHEDS = (":deadline_unmeetable", ":queue_full", ":queue_wait_limit", ":deadline_in_queue", ":queue_timeout")
+
+
+def _two_tenants(args) -> None:
+    """The attacker and the bystander are two listed tenants with the default limits each: an
+    unlisted key shares one rate bucket with every other unlisted caller (docs/security.md)."""
+    from ingress.context import tenant_from_headers
+
+    for headers in (ATTACKER, BYSTANDER):
+        args.admission.tenants[tenant_from_headers(headers)] = args.admission.tenants["default"]
 
 
 def run(quick: bool = False) -> dict:
@@ -180,7 +202,7 @@ def run(quick: bool = False) -> dict:
     if quick:
         attacks = {k: attacks[k] for k in ("deep_schema", "n_flood", "batch_poison")}
     results = []
-    with running_service(serve_file) as base:
+    with running_service(serve_file, tweak=_two_tenants) as base:
         with httpx.Client(base_url=base, timeout=120) as http:
             for k in range(3):  # warm-up
                 _bystander_ttft(http, f"Say hello ({k}).")

@@ -151,7 +151,7 @@ class Embedder:
         queues in front of this one's single-text embeddings. Inference only reads the weights."""
         twin = copy.copy(self)
         twin._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed-bulk")
-        twin._executor.submit(_one_thread).result()
+        twin._executor.submit(_background).result()
         return twin
 
     def embed(self, text: str) -> np.ndarray:
@@ -199,10 +199,22 @@ class Embedder:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed, text)
 
 
-def _one_thread() -> None:
+def _background() -> None:
+    """This thread runs bulk work: one torch thread, and the CPU only when nothing else on the
+    box wants it (SCHED_IDLE where the OS has it; else the lowest niceness), so a bulk job
+    never slows a model's pass or a chat's embedding."""
+    import os
+
     import torch
 
     torch.set_num_threads(1)
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.nice(19 - os.getpriority(os.PRIO_PROCESS, 0))
+        except OSError:
+            pass
 
 
 def _bf16_emulated() -> bool:

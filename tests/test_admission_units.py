@@ -587,3 +587,43 @@ def test_a_lone_tenant_under_a_share_of_one_uses_every_seat():
         assert gate.inflight == 4
 
     asyncio.run(main())
+
+
+def test_a_tenants_seat_cap_is_of_this_ingress_replicas_share():
+    """Two ingress replicas each hold half the fleet: one tenant's cap on a model's 16 seats is
+    3/4 of this replica's 8, so the two replicas together leave seats for other tenants."""
+    gate = AdmissionGate(32, 8, 1, ServiceEstimates(1.0, 0.1), safety=1.0, tenant_share=0.75)
+    gate.seats = {"m": 16}
+    gate.ingress_share = 0.5
+
+    async def main():
+        for _ in range(6):
+            await gate.acquire(Ticket("m", "t", 0, 10, 20, tenant="A"))
+        assert gate.check(Ticket("m", "t", 0, 10, 20, tenant="A", deadline=None)) is None  # queued, not started
+        assert not gate._tenant_room(Ticket("m", "t", 0, 10, 20, tenant="A"))
+        assert gate._tenant_room(Ticket("m", "t", 0, 10, 20, tenant="B"))
+
+    asyncio.run(main())
+
+
+def test_a_tenant_at_its_cap_queues_no_one_else():
+    """A's backlog waits for A's own seats to free; B, served more tokens than A so far, still
+    starts at once on the seats A may not take, every time, not behind A's queued head."""
+    gate = AdmissionGate(16, 32, 1, ServiceEstimates(10.0, 0.1), safety=1.0, tenant_share=0.75)
+    gate.seats = {"m": 8}
+
+    async def main():
+        backlog = [asyncio.ensure_future(gate.acquire(Ticket("m", "t", 0, 10, 20, tenant="A"))) for _ in range(10)]
+        await asyncio.sleep(0)
+        assert sum(r.tenant == "A" for r in gate.running) == 6 and gate.queued == 4
+        for _ in range(5):  # B keeps coming back; each time it starts at once
+            b = Ticket("m", "t", 0, 500, 500, tenant="B")
+            assert gate._queue_ahead(b) == []
+            await asyncio.wait_for(gate.acquire(b), 5)  # it starts, not waits for A's seats
+            assert b in gate.running
+            gate.release(b)
+        for task in backlog:
+            task.cancel()
+        await asyncio.gather(*backlog, return_exceptions=True)
+
+    asyncio.run(main())
