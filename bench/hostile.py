@@ -3,7 +3,8 @@
 For each class the attacker sends its requests for a fixed window (bounded in count and time,
 loopback only) while a bystander tenant sends small streamed chats one after another and a
 prober asks `/health` every 20 ms. Reported per class: `/health` p50/p99/max, the bystander's
-TTFT p50 against its TTFT on the idle service, every status code each side got, and what the
+TTFT p50 against its TTFT on the idle service just before (and where each waited: Server-Timing
+stages), every status code each side got, and what the
 attacker paid: the usage its answers reported and the 429s its tenant's buckets gave it.
 
 Classes: deep schema (a fresh title each time), huge regex, many tools, big tool text,
@@ -28,7 +29,7 @@ from configs.serve_config import load_serve_config
 from deployments.local import running_service
 
 WINDOW_S = 12.0
-ATTACKERS = 2  # concurrent attacker connections (the n-flood: N_FLOOD_ATTACKERS)
+ATTACKERS = 1  # one attacking client, requests back to back (the n-flood: N_FLOOD_ATTACKERS at once)
 N_FLOOD_ATTACKERS = 6
 ATTACK_TIMEOUT_S = WINDOW_S + 5  # an attack request still running then is dropped (its client leaves)
 MAX_ATTACK_REQUESTS = 200  # per class, in all
@@ -74,8 +75,21 @@ def _attacks(model: str) -> dict[str, Callable[[int], tuple[str, dict, dict]]]:
     }
 
 
-def _bystander_ttft(http: httpx.Client, question: str) -> tuple[str, float | None]:
-    """(status, or status:code for an error; TTFT ms of a streamed answer)."""
+STAGES = ("lookup", "route", "queue", "engine_queue", "prefill")  # where a bystander's first token waited
+
+
+def _stages(header: str) -> dict[str, float]:
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if name in STAGES and dur:
+            out[name] = float(dur)
+    return out
+
+
+def _bystander_ttft(http: httpx.Client, question: str, stages: list | None = None) -> tuple[str, float | None]:
+    """(status, or status:code for an error; TTFT ms of a streamed answer). Its Server-Timing
+    stages are appended to `stages`."""
     body = {"model": "auto", "messages": [{"role": "user", "content": question}], "max_tokens": 16, "stream": True}
     start = time.perf_counter()
     ttft = None
@@ -83,6 +97,8 @@ def _bystander_ttft(http: httpx.Client, question: str) -> tuple[str, float | Non
         if resp.status_code != 200:
             resp.read()
             return f"{resp.status_code}:{(resp.json().get('error') or {}).get('code')}", None
+        if stages is not None:
+            stages.append(_stages(resp.headers.get("server-timing", "")))
         for line in resp.iter_lines():
             if ttft is None and line.startswith("data: {") and '"content"' in line:
                 ttft = (time.perf_counter() - start) * 1000
@@ -96,14 +112,25 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(ordered[int(q * (len(ordered) - 1))], 1)
 
 
-def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict]], idle_ttft: float,
-               attackers: int) -> dict:
+def _idle_ttft(base: str, label: str, n: int = 8) -> tuple[float, dict[str, float | None]]:
+    """The bystander's TTFT p50 (and its stages) on the service with nothing else running."""
+    stages: list[dict[str, float]] = []
+    with httpx.Client(base_url=base, timeout=120) as http:
+        ttfts = [t for k in range(n) if (t := _bystander_ttft(http, f"Name an animal ({label} {k}).", stages)[1])]
+    return statistics.median(ttfts), {k: _pct([st[k] for st in stages if k in st], 0.5) for k in STAGES}
+
+
+def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict]], attackers: int) -> dict:
+    """One attack class, against the bystander's TTFT measured idle just before it (the box's
+    speed drifts between classes; each class is compared with its own idle moment)."""
+    idle_ttft, idle_stages = _idle_ttft(base, name)
     stop = threading.Event()
     attacker_codes: Counter = Counter()
     bystander_codes: Counter = Counter()
     charged = {"prompt_tokens": 0, "completion_tokens": 0}
     health_ms: list[float] = []
     ttfts: list[float] = []
+    stage_ms: list[dict[str, float]] = []
     sent = [0]
     lock = threading.Lock()
 
@@ -140,7 +167,8 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
         with httpx.Client(base_url=base, timeout=120) as http:
             k = 0
             while not stop.is_set():
-                status, ttft = _bystander_ttft(http, BYSTANDER_QUESTIONS[k % len(BYSTANDER_QUESTIONS)] + f" ({k})")
+                status, ttft = _bystander_ttft(http, BYSTANDER_QUESTIONS[k % len(BYSTANDER_QUESTIONS)] + f" ({k})",
+                                               stage_ms)
                 bystander_codes[status] += 1
                 if ttft is not None:
                     ttfts.append(ttft)
@@ -168,7 +196,10 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
         "attacker_rate_limited": sum(v for k, v in attacker_codes.items() if k.startswith("429")),
         "bystander_status": dict(bystander_codes),
         "bystander_ttft_ms_p50": ttft_p50,
+        "bystander_idle_ttft_ms_p50": round(idle_ttft, 1),
+        "bystander_idle_stage_ms_p50": idle_stages,
         "bystander_ttft_vs_idle": round(ttft_p50 / idle_ttft, 2) if ttft_p50 and idle_ttft else None,
+        "bystander_stage_ms_p50": {k: _pct([st[k] for st in stage_ms if k in st], 0.5) for k in STAGES},
         "health_ms": {"p50": _pct(health_ms, 0.5), "p99": _pct(health_ms, 0.99), "max": _pct(health_ms, 1.0),
                       "probes": len(health_ms)},
         "server_errors": fivexx,
@@ -206,16 +237,13 @@ def run(quick: bool = False) -> dict:
         with httpx.Client(base_url=base, timeout=120) as http:
             for k in range(3):  # warm-up
                 _bystander_ttft(http, f"Say hello ({k}).")
-            idle = [t for k in range(8) if (t := _bystander_ttft(http, f"Name an animal ({k}).")[1]) is not None]
-        idle_ttft = statistics.median(idle)
         for name, make in attacks.items():
             attackers = N_FLOOD_ATTACKERS if name == "n_flood" else ATTACKERS
-            results.append(_one_class(base, name, make, idle_ttft, attackers))
+            results.append(_one_class(base, name, make, attackers))
             time.sleep(3.0)  # let the queue drain before the next class
     return {
         "window_s": WINDOW_S,
         "attackers": ATTACKERS,
-        "bystander_idle_ttft_ms_p50": round(idle_ttft, 1),
         "classes": results,
         "all_goals_met": all(all(r["goals_met"].values()) for r in results),
     }
