@@ -8,12 +8,14 @@ least-loaded one by more than `imbalance`: then load wins, so a hot prefix can't
 traffic to one replica (the other replica learns the prefix on that request).
 
 Plain Python, no Ray: deployments/replica_router.py plugs it into Ray Serve's request router.
-It lives in each caller's process (every ingress replica learns on its own), costs a few
+It lives in each caller's process (every ingress replica learns on its own; a prefix none has
+seen goes where its first block hashes to, the same replica from every ingress), costs a few
 microseconds per request, and is bounded by `max_blocks` (LRU).
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -64,6 +66,15 @@ class PrefixAffinity:
             self.routed["affinity"] += 1
             rest = [r for r in replicas if r != owner]
             return [[owner], _least_loaded_first(rest, loads)], hashes
+        if owner is None and hashes:
+            # A prefix no one here has sent yet: the replica its first block hashes to, the same
+            # in every ingress replica (each learns on its own), so a conversation whose turns
+            # reach different ingress replicas still meets its KV on one model replica.
+            home = max(replicas, key=lambda r: _rendezvous(hashes[0], r))
+            if (loads[home] or 0) - lowest <= self.imbalance:
+                self.routed["new"] += 1
+                rest = [r for r in replicas if r != home]
+                return [[home], _least_loaded_first(rest, loads)], hashes
         self.routed["balanced" if owner is not None else "new"] += 1
         # No holder, or it is too busy: power of two choices, the less loaded first.
         pair = random.sample(replicas, min(2, len(replicas)))
@@ -81,6 +92,12 @@ class PrefixAffinity:
         """A replica died: its blocks are gone with it."""
         for h in [h for h, r in self._owner.items() if r == replica]:
             del self._owner[h]
+
+
+def _rendezvous(block: int, replica: str) -> int:
+    """Highest-random-weight score of `replica` for a block: the same in every process."""
+    digest = hashlib.blake2b(f"{block}:{replica}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def _least_loaded_first(replicas: list[str], loads: dict[str, int | None]) -> list[str]:

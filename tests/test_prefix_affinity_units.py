@@ -55,3 +55,19 @@ def test_memory_is_bounded_least_recently_used_first():
     assert aff.rank(new, {"r1": 0, "r2": 0})[0][0] == ["r2"]
     aff.rank(old, {"r1": 0, "r2": 0})
     assert aff.routed["new"] == 1, "evicted: the old prompt is new again"
+
+
+def test_a_new_prefix_goes_to_the_same_replica_from_every_ingress():
+    """Two ingress replicas learn on their own: a conversation whose turns reach both still
+    meets its KV on one model replica, since an unseen prefix goes where its first block hashes."""
+    first, second = PrefixAffinity(block_size=4), PrefixAffinity(block_size=4)
+    loads = {"r1": 0, "r2": 0, "r3": 0}
+    for start in range(20):
+        prompt = list(range(start, start + 12))
+        (a, *_), _ = first.rank(prompt, loads)
+        (b, *_), _ = second.rank(prompt + [99, 98, 97, 96], loads)  # the next turn, on the other ingress
+        assert a == b
+    homes = {first.rank(list(range(s, s + 12)), loads)[0][0][0] for s in range(20)}
+    assert len(homes) > 1, "unseen prefixes spread over the replicas"
+    busy = {**loads, a[0]: 10}
+    assert first.rank(list(range(19, 31)), busy)[0][0][0] != a[0], "load still wins past the imbalance"
