@@ -203,6 +203,19 @@ class AdmissionGate:
             return True
         return sum(1 for r in mine if r.model_id == t.model_id) < self._cap(seats * self.ingress_share)
 
+    def crowded_by_others(self, t: Ticket) -> bool:
+        """Do other tenants hold half or more of this replica's share of `t`'s model's seats?
+        Then `t` would wait on their batched steps (a flood's long answers) at every token."""
+        seats = self.seats.get(t.model_id)
+        if seats is None or self.tenant_share >= 1.0:
+            return False
+        others = sum(1 for r in self.running if r.model_id == t.model_id and r.tenant != t.tenant)
+        return others >= max(1.0, seats * self.ingress_share / 2)
+
+    def model_idle(self, model_id: str) -> bool:
+        """Nothing runs on `model_id`, here or (as last synced) on the other ingress replicas."""
+        return self._idle(model_id)
+
     def _counter(self, tenant: str) -> float:
         """A tenant's virtual counter, lifted to the least-served waiting tenant's if it fell
         behind while it had nothing waiting."""

@@ -135,6 +135,15 @@ class AdmissionPolicy:
             not self.gate.would_meet(routed) and self.gate.would_meet(other)
         )
 
+    def leave_crowded(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:
+        """Should a model=auto request leave the model the router chose because other tenants
+        crowd it (half its seats or more) while the other model is idle? Fair share between
+        tenants: a flood on one model does not make another tenant's chat wait on its steps
+        when a model stands free. Down to the small model only for tiers with `downgrade`."""
+        if to_small and not downgrade:
+            return False
+        return self.gate.crowded_by_others(routed) and self.gate.model_idle(other.model_id) and self.gate.in_time(other)
+
     def shed_undecided(self, large: Ticket, waited_ms: float) -> AdmissionError:
         """The large model can't take the request and its tier may not be downgraded, so the
         router's verdict decides: served small, or shed. No verdict within `verdict_wait_ms`:

@@ -120,6 +120,12 @@ def _busy_downgrade(p: Prepared, small: str) -> RouteDecision:
     return RouteDecision(small, "busy_box_downgrade")
 
 
+def _uncrowd(p: Prepared, other: str) -> RouteDecision:
+    """Send the request to the other model: other tenants crowd the chosen one, this one is idle."""
+    p.notes["x-admission"] = "moved; other tenants' requests fill the chosen model and this one is idle"
+    return RouteDecision(other, "tenant_crowded")
+
+
 def _downgrade(p: Prepared, small: str) -> RouteDecision:
     """Send the request to the small model, saying so in its response headers."""
     p.notes["x-admission"] = "downgraded; the large model was predicted to miss the deadline or cut it close"
@@ -735,6 +741,8 @@ class Pipeline:
             alt = self.admission.ticket(other, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
             if self.admission.move_to_other(ticket, alt, to_small=to_small, downgrade=p.tier.downgrade):
                 ticket, decision = alt, (_downgrade(p, small) if to_small else _upgrade(p, large))
+            elif self.admission.leave_crowded(ticket, alt, to_small=to_small, downgrade=p.tier.downgrade):
+                ticket, decision = alt, _uncrowd(p, other)
         await self.admission.admit(ticket)
         # The gate's promise, so a client (and bench load) can hold it to it.
         p.notes["x-admission-predicted"] = (
