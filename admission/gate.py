@@ -23,8 +23,9 @@ at arrival takes milliseconds.
 An idle model takes a request it can start in time (`_idle_takes`): nothing is gained by turning
 it away.
 
-Tenants share fairly. One tenant holds at most `tenant_share` of the slots, of each model's
-seats and of the queue, so another tenant's request always finds room. Within a priority the
+Tenants share fairly. While more than one tenant is active, one holds at most `tenant_share`
+of the slots, of each model's seats and of the queue, so another tenant's request always finds
+room; a tenant alone on the service has all of it. Within a priority the
 queue is served by a virtual token counter (VTC): the tenant that has been served the fewest
 tokens goes next, earliest deadline first among its own requests, and a request's predicted
 wait counts only what that order puts ahead of it. A tenant that returns after a pause starts
@@ -74,6 +75,8 @@ TTFT_TAIL_WINDOW = 64
 TTFT_TAIL_MAX_AGE_S = 30.0
 TTFT_TAIL_MIN_SAMPLES = 10
 TTFT_TAIL_MAX_MS = 2000.0
+# A tenant seen within this long counts as active: while another is, each is held to its share.
+TENANT_ACTIVE_S = 60.0
 
 
 @dataclass(eq=False)
@@ -142,6 +145,7 @@ class AdmissionGate:
         # so the replicas together never let one tenant take the seats kept for others.
         self.ingress_share = 1.0
         self._served: dict[str, float] = {}  # tenant -> tokens started (the virtual token counter)
+        self._seen: dict[str, float] = {}  # tenant -> when it last asked for a slot
         self.max_inflight = max_inflight
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
@@ -191,9 +195,15 @@ class AdmissionGate:
         """A tenant's share of `limit`."""
         return max(1, math.ceil(self.tenant_share * limit))
 
+    def _others_active(self, tenant: str) -> bool:
+        """Has another tenant sent a request here within TENANT_ACTIVE_S?"""
+        horizon = self._clock() - TENANT_ACTIVE_S
+        return any(at >= horizon for other, at in self._seen.items() if other != tenant)
+
     def _tenant_room(self, t: Ticket) -> bool:
-        """May `t`'s tenant start one more: under its share of the slots and of its model's seats?"""
-        if self.tenant_share >= 1.0:
+        """May `t`'s tenant start one more: under its share of the slots and of its model's
+        seats? A tenant alone on the service (no other seen lately) has the whole of it."""
+        if self.tenant_share >= 1.0 or not self._others_active(t.tenant):
             return True
         mine = [r for r in self.running if r.tenant == t.tenant]
         if len(mine) >= self._cap(self.max_inflight):
@@ -433,7 +443,8 @@ class AdmissionGate:
         """For a ticket that can't start now: why it may not wait either, or None to queue it."""
         if self.queued >= self.max_queued:
             return self.reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
-        if self.tenant_share < 1.0 and self._queued_of(t.tenant) >= self._cap(self.max_queued):
+        if self.tenant_share < 1.0 and self._others_active(t.tenant) and \
+                self._queued_of(t.tenant) >= self._cap(self.max_queued):
             return self.reject("queue_full", "this API key's share of the queue is full", t, len(ahead))
         predicted = self.predict(t, ahead, now)
         if not self._meets(t, predicted, now):
@@ -495,8 +506,16 @@ class AdmissionGate:
 
     # ------------------------------------------------------------------ decisions
 
+    def seen(self, t: Ticket) -> None:
+        """`t`'s tenant is active now (the shares apply while more than one is)."""
+        now = self._clock()
+        self._seen[t.tenant] = now
+        if len(self._seen) > 10_000:
+            self._seen = {k: v for k, v in self._seen.items() if v >= now - TENANT_ACTIVE_S}
+
     async def acquire(self, t: Ticket) -> None:
         """Start now, wait in (priority, deadline) order, or raise `Rejection`. Pair with `release(t)`."""
+        self.seen(t)
         now = self._clock()
         ahead = self._queue_ahead(t)
         if self._can_start(t, ahead, now):

@@ -380,9 +380,10 @@ class AdmissionConfig(_Strict):
     max_inflight: int = Field(32, ge=1, description="requests generating at once, whole service")
     max_queued: int = Field(64, ge=0, description="requests waiting for a slot, whole service")
     tenant_share: float = Field(
-        0.75, gt=0, le=1, description="the most of max_inflight, of each model's seats and of max_queued that one "
-        "API key's requests (n choices count as n) may hold, so another tenant always finds room; 1: no cap. "
-        "Within a priority the queue is served fairly by tokens (docs/admission.md)",
+        0.75, gt=0, le=1, description="while more than one API key is active (seen in the last minute), the most "
+        "of max_inflight, of each model's seats and of max_queued that one key's requests (n choices count as n) "
+        "may hold, so another tenant always finds room; a key alone has it all; 1: no cap. Within a priority the "
+        "queue is served fairly by tokens (docs/admission.md)",
     )
     sync_interval_s: float = Field(1.0, gt=0, description="how often ingress replicas sync with the controller")
     retry_after_s: int = Field(1, ge=0, description="Retry-After floor; sheds add the predicted wait")

@@ -529,6 +529,7 @@ def test_one_tenants_flood_never_gets_another_tenants_modest_request_shed():
     now = [0.0]
     gate = AdmissionGate(32, 64, 1, ServiceEstimates(10.0, 0.1), safety=1.0, clock=lambda: now[0], tenant_share=0.75)
     gate.seats = {"m": 8}
+    gate.seen(Ticket("m", "standard", 0, 20, 32, tenant="B"))  # B has been here lately
 
     async def main():
         waiting = []
@@ -595,6 +596,7 @@ def test_a_tenants_seat_cap_is_of_this_ingress_replicas_share():
     gate = AdmissionGate(32, 8, 1, ServiceEstimates(1.0, 0.1), safety=1.0, tenant_share=0.75)
     gate.seats = {"m": 16}
     gate.ingress_share = 0.5
+    gate.seen(Ticket("m", "t", 0, 10, 20, tenant="B"))
 
     async def main():
         for _ in range(6):
@@ -611,6 +613,7 @@ def test_a_tenant_at_its_cap_queues_no_one_else():
     starts at once on the seats A may not take, every time, not behind A's queued head."""
     gate = AdmissionGate(16, 32, 1, ServiceEstimates(10.0, 0.1), safety=1.0, tenant_share=0.75)
     gate.seats = {"m": 8}
+    gate.seen(Ticket("m", "t", 0, 10, 20, tenant="B"))
 
     async def main():
         backlog = [asyncio.ensure_future(gate.acquire(Ticket("m", "t", 0, 10, 20, tenant="A"))) for _ in range(10)]
@@ -650,5 +653,29 @@ def test_an_auto_request_leaves_a_model_other_tenants_crowd_for_an_idle_one():
                                         to_small=False, downgrade=True), "A's own crowd is not a reason to move A"
         await gate.acquire(Ticket("large", "standard", 0, 10, 16, tenant="C"))
         assert not policy.leave_crowded(b_small, b_large, to_small=False, downgrade=True), "the large model is busy"
+
+    asyncio.run(main())
+
+
+def test_a_tenant_alone_on_the_service_has_all_of_it():
+    """The shares apply while another tenant is active: alone, one tenant (every caller without
+    a key is one) starts on every seat and fills the queue; once another has been seen lately,
+    its new starts keep to its share."""
+    now = [0.0]
+    gate = AdmissionGate(8, 8, 1, ServiceEstimates(1.0, 0.1), safety=1.0, clock=lambda: now[0], tenant_share=0.75)
+    gate.seats = {"m": 8}
+
+    async def main():
+        for _ in range(8):
+            await gate.acquire(Ticket("m", "t", 0, 10, 20, tenant="A"))
+        assert gate.inflight == 8
+        for r in list(gate.running):
+            gate.release(r)
+        gate.seen(Ticket("m", "t", 0, 10, 20, tenant="B"))
+        for _ in range(6):
+            await gate.acquire(Ticket("m", "t", 0, 10, 20, tenant="A"))
+        assert not gate._tenant_room(Ticket("m", "t", 0, 10, 20, tenant="A"))
+        now[0] += 61.0  # B has not been back for a minute: A has the whole service again
+        assert gate._tenant_room(Ticket("m", "t", 0, 10, 20, tenant="A"))
 
     asyncio.run(main())
