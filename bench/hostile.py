@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
@@ -226,7 +227,37 @@ def _two_tenants(args) -> None:
         args.admission.tenants[tenant_from_headers(headers)] = args.admission.tenants["default"]
 
 
-def run(quick: bool = False) -> dict:
+def plot(result: dict, path: Path) -> None:
+    """Per class: the bystander's TTFT idle and under attack (bars, the 2x line), /health p99."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    classes = result["classes"]
+    names = [c["class"].replace("_", "\n") for c in classes]
+    x = range(len(classes))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2))
+    idle = [c["bystander_idle_ttft_ms_p50"] for c in classes]
+    attacked = [c["bystander_ttft_ms_p50"] or float("nan") for c in classes]
+    ax1.bar([i - 0.2 for i in x], idle, 0.4, label="idle")
+    ax1.bar([i + 0.2 for i in x], attacked, 0.4, label="beside the attacker")
+    ax1.scatter(list(x), [2 * v for v in idle], marker="_", s=400, color="red", label="2x idle")
+    ax1.set_xticks(list(x), names, fontsize=7)
+    ax1.set_ylabel("bystander TTFT p50, ms")
+    ax1.legend(fontsize=8)
+    ax2.bar(list(x), [c["health_ms"]["p99"] for c in classes])
+    ax2.axhline(100, color="red", lw=0.8, ls=":", label="100 ms")
+    ax2.set_xticks(list(x), names, fontsize=7)
+    ax2.set_ylabel("/health p99, ms")
+    ax2.legend(fontsize=8)
+    fig.suptitle("one attacker beside one tenant (bench hostile)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(quick: bool = False, out: str | None = None) -> dict:
     serve_file = load_serve_config()
     model = serve_file.args.draft.engine.model_id
     attacks = _attacks(model)
@@ -241,9 +272,12 @@ def run(quick: bool = False) -> dict:
             attackers = N_FLOOD_ATTACKERS if name == "n_flood" else ATTACKERS
             results.append(_one_class(base, name, make, attackers))
             time.sleep(3.0)  # let the queue drain before the next class
-    return {
+    result = {
         "window_s": WINDOW_S,
         "attackers": ATTACKERS,
         "classes": results,
         "all_goals_met": all(all(r["goals_met"].values()) for r in results),
     }
+    if out is not None:
+        plot(result, Path(out).with_suffix(".png"))
+    return result
