@@ -135,6 +135,7 @@ class Preparer:
         # at a time at most, so one slow schema delays no other request's check for long.
         self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
         self._too_slow: OrderedDict[tuple[str, StructuredOutput], None] = OrderedDict()  # (tenant, grammar)
+        self._converts: OrderedDict[tuple[str, StructuredOutput], None] = OrderedDict()  # known good, same key
 
     async def read_json(self, request: Request) -> Any:
         limit = self.args.ingress.max_body_bytes
@@ -302,6 +303,9 @@ class Preparer:
         param = p.grammar_param
         budget = self.args.ingress.limits.grammar_timeout_s
         key = (p.ctx.tenant, structured)
+        if key in self._converts:  # this tenant's grammar converted before: no thread hop
+            self._converts.move_to_end(key)
+            return
         if key in self._too_slow:
             raise _too_complex(param, budget)
         future = asyncio.get_running_loop().run_in_executor(self._grammar_threads, check, structured, p.ctx.tenant)
@@ -315,6 +319,9 @@ class Preparer:
         except GrammarError as exc:
             what = "a function's parameters do not compile: " if param == "tools" else ""
             raise bad_request(f"{param}: {what}{exc}", param) from None
+        self._converts[key] = None
+        while len(self._converts) > 1024:
+            self._converts.popitem(last=False)
 
     def tokenize(self, p: Prepared) -> None:
         """Prompt ids and the output budget; 400 when the prompt is empty or can't fit."""

@@ -200,21 +200,18 @@ class Embedder:
 
 
 def _background() -> None:
-    """This thread runs bulk work: one torch thread, and the CPU only when nothing else on the
-    box wants it (SCHED_IDLE where the OS has it; else the lowest niceness), so a bulk job
-    never slows a model's pass or a chat's embedding."""
+    """This thread runs bulk work: one torch thread, at the lowest niceness, so a bulk job shares
+    the cores with the models' compute (niced the same) and yields to the request path. Not
+    SCHED_IDLE: a thread starved while it holds the GIL would stall the event loop with it."""
     import os
 
     import torch
 
     torch.set_num_threads(1)
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.nice(19 - os.getpriority(os.PRIO_PROCESS, 0))
-        except OSError:
-            pass
+        os.nice(19 - os.getpriority(os.PRIO_PROCESS, 0))  # this thread only, on Linux
+    except OSError:
+        pass
 
 
 def _bf16_emulated() -> bool:

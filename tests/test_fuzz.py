@@ -39,6 +39,17 @@ def _short(case) -> None:
             case.body["n"] = MAX_FUZZ_CHOICES
 
 
+def _failure(response, what: str) -> str | None:
+    """What is wrong with an answer to fuzzed input: a 5xx, or an error not in OpenAI's shape."""
+    if response.status_code >= 500:
+        return f"{response.status_code}: {response.text[:300]!r} for {what[:400]}"
+    if response.status_code >= 400:
+        error = response.json().get("error")
+        if not (isinstance(error, dict) and error.get("message")):
+            return f"{response.status_code} without an OpenAI error body for {what[:300]}"
+    return None
+
+
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])
 def test_fuzzed_requests_never_get_a_5xx(service, mode):
     raw = service.http.get("/openapi.json").json()
@@ -67,13 +78,9 @@ def test_fuzzed_requests_never_get_a_5xx(service, mode):
             _short(case)
             response = case.call(base_url=service.base_url, timeout=60)
             seen[f"{operation.label} {response.status_code}"] = seen.get(f"{operation.label} {response.status_code}", 0) + 1
-            if response.status_code >= 500:
-                failures.append(f"{operation.label} -> {response.status_code}: {response.text[:300]!r} for {case.headers!r} {case.body!r}")
-            elif response.status_code >= 400:
-                # Every error leaves in the OpenAI shape, whatever the input.
-                error = response.json().get("error")
-                if not (isinstance(error, dict) and error.get("message")):
-                    failures.append(f"{operation.label} -> {response.status_code} without an OpenAI error body")
+            failure = _failure(response, f"{operation.label}: {case.headers!r} {case.body!r}")
+            if failure:
+                failures.append(failure)
 
         run()
     assert not failures, "\n".join(failures[:10])
@@ -180,12 +187,9 @@ def test_fuzzed_new_fields_never_get_a_5xx_nor_stall_health(service):
 
     def check(resp: httpx.Response, what: str) -> None:
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
-        if resp.status_code >= 500:
-            failures.append(f"{resp.status_code} {resp.text[:200]!r} for {what[:400]}")
-        elif resp.status_code >= 400:
-            error = resp.json().get("error")
-            if not (isinstance(error, dict) and error.get("message")):
-                failures.append(f"{resp.status_code} without an OpenAI error body for {what[:300]}")
+        failure = _failure(resp, what)
+        if failure:
+            failures.append(failure)
 
     @settings(max_examples=FIELD_EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
