@@ -23,13 +23,10 @@ at arrival takes milliseconds.
 An idle model takes a request it can start in time (`_idle_takes`): nothing is gained by turning
 it away.
 
-Tenants share fairly. While more than one tenant is active, one holds at most `tenant_share`
-of the slots, of each model's seats and of the queue, so another tenant's request always finds
-room; a tenant alone on the service has all of it. Within a priority the
-queue is served by a virtual token counter (VTC): the tenant that has been served the fewest
-tokens goes next, earliest deadline first among its own requests, and a request's predicted
-wait counts only what that order puts ahead of it. A tenant that returns after a pause starts
-level with the least-served tenant waiting, not with credit banked while it was away.
+Tenants share fairly (admission/fair_share.py): while more than one is active, each holds at
+most its share of the slots, seats and queue, and within a priority the queue is served by a
+virtual token counter, earliest deadline first among a tenant's own requests. A request's
+predicted wait counts only what that order puts ahead of it.
 
 Every first token calibrates: measured / predicted time to first token, an EWMA, scales the
 next TTFT predictions of its model (`bias`, within 0.5-3x). A TTFT target is a tail bound, and a mean bias
@@ -52,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 
 from admission.estimates import Ewma, ServiceEstimates
+from admission.fair_share import TenantShares
 
 INF = float("inf")
 # A request is queued only if it is predicted to make its deadline with this much to spare;
@@ -75,8 +73,6 @@ TTFT_TAIL_WINDOW = 64
 TTFT_TAIL_MAX_AGE_S = 30.0
 TTFT_TAIL_MIN_SAMPLES = 10
 TTFT_TAIL_MAX_MS = 2000.0
-# A tenant seen within this long counts as active: while another is, each is held to its share.
-TENANT_ACTIVE_S = 60.0
 
 
 @dataclass(eq=False)
@@ -139,13 +135,7 @@ class AdmissionGate:
         ttft_tail_quantile: float | None = 0.95,
         tenant_share: float = 1.0,
     ) -> None:
-        self.tenant_share = tenant_share
-        # This ingress replica's share of the fleet (1 / live ingress replicas, from the
-        # controller): a tenant's cap on a model's seats is of this replica's share of them,
-        # so the replicas together never let one tenant take the seats kept for others.
-        self.ingress_share = 1.0
-        self._served: dict[str, float] = {}  # tenant -> tokens started (the virtual token counter)
-        self._seen: dict[str, float] = {}  # tenant -> when it last asked for a slot
+        self.shares = TenantShares(tenant_share, clock)
         self.max_inflight = max_inflight
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
@@ -191,50 +181,20 @@ class AdmissionGate:
                 out[t.model_id] = out.get(t.model_id, 0) + 1
         return out
 
-    def _cap(self, limit: int) -> int:
-        """A tenant's share of `limit`."""
-        return max(1, math.ceil(self.tenant_share * limit))
-
-    def _others_active(self, tenant: str) -> bool:
-        """Has another tenant sent a request here within TENANT_ACTIVE_S?"""
-        horizon = self._clock() - TENANT_ACTIVE_S
-        return any(at >= horizon for other, at in self._seen.items() if other != tenant)
-
     def _tenant_room(self, t: Ticket) -> bool:
-        """May `t`'s tenant start one more: under its share of the slots and of its model's
-        seats? A tenant alone on the service (no other seen lately) has the whole of it."""
-        if self.tenant_share >= 1.0 or not self._others_active(t.tenant):
-            return True
-        mine = [r for r in self.running if r.tenant == t.tenant]
-        if len(mine) >= self._cap(self.max_inflight):
-            return False
-        seats = self.seats.get(t.model_id)
-        if seats is None:
-            return True
-        return sum(1 for r in mine if r.model_id == t.model_id) < self._cap(seats * self.ingress_share)
+        return self.shares.room(t, self.running, self.max_inflight, self.seats.get(t.model_id))
 
     def crowded_by_others(self, t: Ticket) -> bool:
         """Do other tenants hold half or more of this replica's share of `t`'s model's seats?
         Then `t` would wait on their batched steps (a flood's long answers) at every token."""
-        seats = self.seats.get(t.model_id)
-        if seats is None or self.tenant_share >= 1.0:
-            return False
-        others = sum(1 for r in self.running if r.model_id == t.model_id and r.tenant != t.tenant)
-        return others >= max(1.0, seats * self.ingress_share / 2)
+        return self.shares.crowded(t, self.running, self.seats.get(t.model_id))
 
     def model_idle(self, model_id: str) -> bool:
         """Nothing runs on `model_id`, here or (as last synced) on the other ingress replicas."""
         return self._idle(model_id)
 
-    def _counter(self, tenant: str) -> float:
-        """A tenant's virtual counter, lifted to the least-served waiting tenant's if it fell
-        behind while it had nothing waiting."""
-        waiting = {q.tenant for *_, q, w in self._queue if not w.done()}
-        own = self._served.get(tenant, 0.0)
-        if tenant in waiting:
-            return own
-        others = [self._served.get(x, 0.0) for x in waiting]
-        return max(own, min(others)) if others else own
+    def _waiting_tenants(self) -> set[str]:
+        return {q.tenant for *_, q, w in self._queue if not w.done()}
 
     def concurrency(self) -> int:
         """Requests running on the box, every model's (see the module docstring)."""
@@ -443,8 +403,7 @@ class AdmissionGate:
         """For a ticket that can't start now: why it may not wait either, or None to queue it."""
         if self.queued >= self.max_queued:
             return self.reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
-        if self.tenant_share < 1.0 and self._others_active(t.tenant) and \
-                self._queued_of(t.tenant) >= self._cap(self.max_queued):
+        if self.shares.queue_full(t.tenant, self._queued_of(t.tenant), self.max_queued):
             return self.reject("queue_full", "this API key's share of the queue is full", t, len(ahead))
         predicted = self.predict(t, ahead, now)
         if not self._meets(t, predicted, now):
@@ -482,12 +441,13 @@ class AdmissionGate:
         ahead = [q for p, _, _, q, _ in live if p < t.priority]
         same = [q for p, _, _, q, _ in live if p == t.priority]
         own = [q for q in same if q.tenant == t.tenant and (q.deadline or INF) <= (t.deadline or INF)]
-        mine_at = self._counter(t.tenant) + sum(q.cost for q in own)
+        waiting = self._waiting_tenants()
+        mine_at = self.shares.counter(t.tenant, waiting) + sum(q.cost for q in own)
         counters: dict[str, float] = {}
         for q in same:
             if q.tenant == t.tenant:
                 continue
-            at = counters.setdefault(q.tenant, self._counter(q.tenant))
+            at = counters.setdefault(q.tenant, self.shares.counter(q.tenant, waiting))
             if at < mine_at:
                 ahead.append(q)
             counters[q.tenant] = at + q.cost
@@ -501,17 +461,15 @@ class AdmissionGate:
         if not live:
             return None
         top = min(e[0] for e in live)
-        best = min((e for e in live if e[0] == top), key=lambda e: (self._counter(e[3].tenant), e[1], e[2]))
+        waiting = self._waiting_tenants()
+        best = min((e for e in live if e[0] == top), key=lambda e: (self.shares.counter(e[3].tenant, waiting), e[1], e[2]))
         return best[3], best[4]
 
     # ------------------------------------------------------------------ decisions
 
     def seen(self, t: Ticket) -> None:
         """`t`'s tenant is active now (the shares apply while more than one is)."""
-        now = self._clock()
-        self._seen[t.tenant] = now
-        if len(self._seen) > 10_000:
-            self._seen = {k: v for k, v in self._seen.items() if v >= now - TENANT_ACTIVE_S}
+        self.shares.seen(t.tenant)
 
     async def acquire(self, t: Ticket) -> None:
         """Start now, wait in (priority, deadline) order, or raise `Rejection`. Pair with `release(t)`."""
@@ -567,10 +525,7 @@ class AdmissionGate:
         return rejection
 
     def _start(self, t: Ticket, now: float) -> None:
-        self._served[t.tenant] = self._counter(t.tenant) + t.cost
-        if len(self._served) > 100_000:  # bounded: the least-served (idlest) tenants go first
-            for tenant in sorted(self._served, key=self._served.__getitem__)[:10_000]:
-                del self._served[tenant]
+        self.shares.started(t, self._waiting_tenants())
         c = self.concurrency() + 1
         t.started_at, t.concurrency_at_start, t.ttft_scale = now, c, self.bias(t.model_id)
         first_ms, last_ms = self._service_ms(t, c)

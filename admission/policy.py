@@ -194,7 +194,7 @@ class AdmissionPolicy:
             self.max_view_age_ms = max(self.max_view_age_ms, (now - self.synced_at) * 1000)
         self.synced_at = now
         self.gate.set_limits(max_inflight, max_queued, others_inflight)
-        self.gate.ingress_share = 1.0 / max(1, live_replicas)
+        self.gate.shares.ingress_share = 1.0 / max(1, live_replicas)
         self.limiter.share = 1.0 / max(1, live_replicas)
         if replicas:
             self.set_seats(self.seats_per_replica, replicas)

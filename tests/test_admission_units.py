@@ -595,7 +595,7 @@ def test_a_tenants_seat_cap_is_of_this_ingress_replicas_share():
     3/4 of this replica's 8, so the two replicas together leave seats for other tenants."""
     gate = AdmissionGate(32, 8, 1, ServiceEstimates(1.0, 0.1), safety=1.0, tenant_share=0.75)
     gate.seats = {"m": 16}
-    gate.ingress_share = 0.5
+    gate.shares.ingress_share = 0.5
     gate.seen(Ticket("m", "t", 0, 10, 20, tenant="B"))
 
     async def main():

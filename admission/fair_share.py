@@ -1,0 +1,95 @@
+"""Fair share between tenants: how much of the service one API key may hold, and whose turn it
+is in the queue.
+
+While more than one tenant is active (seen within TENANT_ACTIVE_S), one holds at most `share`
+of the slots, of each model's seats (of this ingress replica's share of them) and of the
+queue, so another tenant's request always finds room; a tenant alone has all of it. The queue
+is served by a virtual token counter (VTC): the tenant served the fewest tokens goes next, and
+a tenant back from a pause starts level with the least-served tenant waiting, not with credit
+banked while it was away. Plain data, no asyncio: the gate (admission/gate.py) asks it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+# A tenant seen within this long counts as active: while another is, each is held to its share.
+TENANT_ACTIVE_S = 60.0
+MAX_TENANTS = 100_000  # counters kept; the least-served (idlest) go first past it
+
+
+class Holder(Protocol):
+    tenant: str
+    model_id: str
+    cost: int
+
+
+class TenantShares:
+    def __init__(self, share: float = 1.0, clock=time.monotonic) -> None:
+        self.share = share
+        # This ingress replica's share of the fleet (1 / live ingress replicas, from the
+        # controller): a tenant's cap on a model's seats is of this replica's share of them,
+        # so the replicas together never let one tenant take the seats kept for others.
+        self.ingress_share = 1.0
+        self._clock = clock
+        self._served: dict[str, float] = {}  # tenant -> tokens started (the virtual token counter)
+        self._seen: dict[str, float] = {}  # tenant -> when it last asked for a slot
+
+    @property
+    def capped(self) -> bool:
+        return self.share < 1.0
+
+    def cap(self, limit: float) -> int:
+        """A tenant's share of `limit`."""
+        return max(1, math.ceil(self.share * limit))
+
+    def seen(self, tenant: str) -> None:
+        now = self._clock()
+        self._seen[tenant] = now
+        if len(self._seen) > 10_000:
+            self._seen = {k: v for k, v in self._seen.items() if v >= now - TENANT_ACTIVE_S}
+
+    def others_active(self, tenant: str) -> bool:
+        """Has another tenant asked for a slot within TENANT_ACTIVE_S?"""
+        horizon = self._clock() - TENANT_ACTIVE_S
+        return any(at >= horizon for other, at in self._seen.items() if other != tenant)
+
+    def room(self, t: Holder, running: Iterable[Holder], max_inflight: int, seats: int | None) -> bool:
+        """May `t`'s tenant start one more: under its share of the slots and of its model's
+        seats? A tenant alone on the service has the whole of it."""
+        if not self.capped or not self.others_active(t.tenant):
+            return True
+        mine = [r for r in running if r.tenant == t.tenant]
+        if len(mine) >= self.cap(max_inflight):
+            return False
+        return seats is None or sum(1 for r in mine if r.model_id == t.model_id) < self.cap(seats * self.ingress_share)
+
+    def queue_full(self, tenant: str, queued: int, max_queued: int) -> bool:
+        """Does the tenant hold its share of the queue while another tenant is active?"""
+        return self.capped and self.others_active(tenant) and queued >= self.cap(max_queued)
+
+    def crowded(self, t: Holder, running: Iterable[Holder], seats: int | None) -> bool:
+        """Do other tenants hold half or more of this replica's share of `t`'s model's seats?"""
+        if seats is None or not self.capped:
+            return False
+        others = sum(1 for r in running if r.model_id == t.model_id and r.tenant != t.tenant)
+        return others >= max(1.0, seats * self.ingress_share / 2)
+
+    def counter(self, tenant: str, waiting: set[str]) -> float:
+        """A tenant's virtual counter, lifted to the least-served waiting tenant's if it fell
+        behind while it had nothing waiting."""
+        own = self._served.get(tenant, 0.0)
+        if tenant in waiting:
+            return own
+        others = [self._served.get(x, 0.0) for x in waiting]
+        return max(own, min(others)) if others else own
+
+    def started(self, t: Holder, waiting: set[str]) -> None:
+        """`t` started: its tenant's counter moves on by its cost."""
+        self._served[t.tenant] = self.counter(t.tenant, waiting) + t.cost
+        if len(self._served) > MAX_TENANTS:
+            for tenant in sorted(self._served, key=self._served.__getitem__)[: MAX_TENANTS // 10]:
+                del self._served[tenant]
