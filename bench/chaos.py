@@ -132,7 +132,7 @@ def _classify_error(status: int, text: str) -> tuple[str, str]:
 
 
 async def _load(base: str, workers: int, max_tokens: int, stop: threading.Event, t0: float, out: list[Outcome]) -> None:
-    models = ["smollm2-135m-instruct", "auto", "smollm2-135m-instruct-bf16"]
+    models = ["smollm2-135m-instruct", "auto", "smollm2-135m-instruct-q4"]
 
     async def worker(w: int) -> None:
         async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S) as client:

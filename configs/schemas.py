@@ -531,8 +531,9 @@ class HostTuningConfig(_Strict):
     )
     busy_box_small_from: int = Field(
         1, ge=0, description="requests running on the box's models from which an auto request whose tier may "
-        "downgrade goes to the small model while it has a free seat: two CPU engines side by side slow each "
-        "other's batched steps ~2x (host_tuning/busy_box.py); 0: route by difficulty at any load",
+        "downgrade goes to the small model while it has a free seat and is predicted to finish no later there: "
+        "two CPU engines side by side slow each other's batched steps (admission/model_choice.py); 0: route by "
+        "difficulty at any load",
     )
 
     @property

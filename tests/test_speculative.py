@@ -729,8 +729,9 @@ def test_cpu_repack_off_loads_without_extra_buffer_types_and_the_engine_runs(ser
 
 
 def test_the_shipped_small_model_answers_as_float32_does():
-    """The default's small model (the GGUF in bf16) gives the float32 target's greedy answer to a
-    question a newcomer asks first; Q4_1's quantized activations answered "L'Étoile, …"."""
+    """The default's small model (Q4_1 kernels, its prompt prefilled in float32) gives the float32
+    target's greedy answer to a question a newcomer asks first; with its prompt in Q4_1 too it
+    answered "L'Étoile, …"."""
     from configs.serve_config import load_serve_config
     from engines.llamacpp_engine import LlamaCppEngine
 
