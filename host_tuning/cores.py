@@ -165,16 +165,22 @@ class CoreShare:
 
     def __init__(self, max_threads: int, enabled: bool = True) -> None:
         self.max_threads = max_threads
-        self.load = others_load() if enabled and max_threads > 1 else None
+        self._wants_load = enabled and max_threads > 1
+        # The load sampler wakes 20 times a second: started only for an engine that asks for
+        # `threads()` (torch's); a pass-lock engine never reads it, and every wake-up of
+        # another thread stalls a multi-threaded pass at its next barrier.
+        self.load: OthersLoad | None = None
         self.lock = _pass_lock() if enabled else None  # a one-thread engine's passes take part too
         self.passes = {"all": 0, "one": 0, "alone": 0}  # forward passes by the threads they ran on
         self.waited_ms = 0.0  # for other engines' passes to end
 
     @property
     def enabled(self) -> bool:
-        return self.load is not None
+        return self._wants_load or self.lock is not None
 
     def threads(self) -> int:
+        if self.load is None and self._wants_load:
+            self.load = others_load()
         if self.load is None:
             return self.max_threads
         busy = self.load.cores >= BUSY_CORES

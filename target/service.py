@@ -131,6 +131,7 @@ class ModelService:
         for proposer in self.proposers:  # long catch-ups and draft rounds give way to a queued prompt
             proposer.prompt_waiting = self._prefill_waiting
         self._live: dict[str, Generation] = {}  # request id -> its generation, for late hints
+        self._ahead: dict[Generation, asyncio.Future] = {}  # next steps asked for before their consumer asks
         self._early_hints: OrderedDict[str, list[int]] = OrderedDict()  # late hints that beat their request here
         self.costs: CostModel | None = None
         self.step_mode: StepModeChooser | None = None  # batch the waiting steps, or a round each in turn
@@ -322,6 +323,7 @@ class ModelService:
                 chunk.timings_ms["hop.in"] = max(0.0, hop_in_ms)
             self._decoding += 1
             decoding = True
+            self._step_ahead(gen, chunk)
             while True:
                 self.stats.forward_passes += 1
                 self.stats.tokens_generated += chunk.num_tokens
@@ -338,6 +340,9 @@ class ModelService:
         finally:
             if gen is not None and self._live.get(request.request_id) is gen:
                 del self._live[request.request_id]
+            ahead = self._ahead.pop(gen, None) if gen is not None else None
+            if ahead is not None:
+                ahead.cancel()  # not run if it has not started; its result dropped if it has
             self.stats.active -= 1
             if decoding:
                 self._decoding -= 1
@@ -380,18 +385,41 @@ class ModelService:
         )
 
     async def _step(self, gen: Generation) -> GenerateChunk:
-        """The next decode step of `gen`, batched with whatever other steps are waiting."""
+        """The next decode step of `gen`: usually asked for already, the moment its last one
+        came back (`_resolved`), so that it computes while the last chunk travels to the client."""
+        ahead = self._ahead.pop(gen, None)
+        return await (ahead if ahead is not None else self._schedule(gen))
+
+    def _schedule(self, gen: Generation) -> asyncio.Future:
+        """Queue `gen`'s next decode step, batched with whatever other steps are waiting. On the
+        event loop's thread."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         if self.max_batch <= 1:  # a job per sequence's step (see the module docstring)
             self.executor.submit(self._run_one, loop, gen, done)
-            return await done
+            return done
         with self._pending_lock:
             self._pending.append((gen, done))
             schedule, self._batch_scheduled = not self._batch_scheduled, True
         if schedule:
             self.executor.submit(self._run_batch, loop)
-        return await done
+        return done
+
+    def _step_ahead(self, gen: Generation, chunk: GenerateChunk | None) -> None:
+        """Ask for `gen`'s next step now, before its consumer has taken `chunk`: the engine does
+        not wait for the chunk's trip to the ingress (a hop per token) between two steps. Only
+        while its consumer is still there, and one step ahead at most."""
+        if chunk is None or chunk.finish_reason is not None or gen.finished or gen in self._ahead:
+            return
+        if self._live.get(gen.request.request_id) is gen:
+            self._ahead[gen] = self._schedule(gen)
+
+    def _resolved(self, gen: Generation, done: asyncio.Future, result) -> None:
+        """On the event loop: a step's result reaches its waiter, and the step after it is
+        asked for at once."""
+        _resolve(done, result)
+        if not done.cancelled() and not isinstance(result, BaseException):
+            self._step_ahead(gen, result)
 
     def _run_one(self, loop: asyncio.AbstractEventLoop, gen: Generation, done: asyncio.Future,
                  deferred: bool = False) -> None:
@@ -406,7 +434,7 @@ class ModelService:
                 result = gen.step()
         except Exception as exc:  # never strand the waiting request
             result = exc
-        loop.call_soon_threadsafe(_resolve, done, result)
+        loop.call_soon_threadsafe(self._resolved, gen, done, result)
 
     def _prefill_waiting(self) -> bool:
         """A prefill is queued on the worker and not yet running."""
@@ -460,8 +488,8 @@ class ModelService:
         self.stats.decode_batches += 1
         self.stats.batched_steps += len(gens)
         self.stats.max_batch = max(self.stats.max_batch, len(gens))
-        for (_, done), result in zip(waiting, results):
-            loop.call_soon_threadsafe(_resolve, done, result)
+        for (gen, done), result in zip(waiting, results):
+            loop.call_soon_threadsafe(self._resolved, gen, done, result)
 
     def _run_turns(self, loop: asyncio.AbstractEventLoop, waiting: list[tuple[Generation, asyncio.Future]]) -> None:
         """On the worker thread: each waiting request's own step (a speculative round where its
@@ -488,7 +516,7 @@ class ModelService:
                 result = exc
             self.stats.decode_batches += 1
             self.stats.batched_steps += 1
-            loop.call_soon_threadsafe(_resolve, done, result)
+            loop.call_soon_threadsafe(self._resolved, gen, done, result)
 
     def _abort(self, gen: Generation, rounds_at_cancel: int, cancelled_at: float) -> None:
         gen.abort()
