@@ -18,13 +18,6 @@ from admission.errors import AdmissionError
 from admission.request import RequestContext
 
 Mode = Literal["predictive", "fifo"]
-# The large model keeps a model=auto request (in a tier that allows downgrade) when its first
-# token is predicted with this much to spare, else the small model takes it if it has as much.
-# An upgrade to the large model needs as much. bench load: at p99 the measured TTFT came 2-3x
-# after predictions of 660-955 ms (SLO 1 s), on either model; later, 4 of the 5 TTFT misses at
-# 4x in three runs were upgrades predicted at 0.49-0.85 s that waited 0.07-1.3 s for the
-# target's step in progress.
-DOWNGRADE_TTFT_HEADROOM = 1.5
 
 
 class AdmissionPolicy:
@@ -117,32 +110,6 @@ class AdmissionPolicy:
             assert rej is not None
             raise _shed(candidates[0], self.gate.count(rej))
         return [r is None for r in rejections]
-
-    def move_to_other(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:
-        """Should a model=auto request leave the model the router chose for the other one?
-        Up to the large model when the small one can't start it now in time (it would queue for
-        a seat, be late, or shed it) and the large one can, with its first token clearly in time:
-        a request waiting for the small model's seats while the large one has free ones is
-        latency thrown away, and a better answer beats a 503, not a late one.
-        Down to the small model (tiers with `downgrade` only) when the large one would shed it,
-        or take it (an idle box takes anything) but miss its deadlines or cut its first token
-        close: if the small one is clearly in time, or would take what the large one would shed."""
-        if not to_small:
-            return not self.gate.in_time(routed) and self.gate.in_time(other, DOWNGRADE_TTFT_HEADROOM)
-        if not downgrade or self.gate.in_time(routed, DOWNGRADE_TTFT_HEADROOM):
-            return False
-        return self.gate.in_time(other, DOWNGRADE_TTFT_HEADROOM) or (
-            not self.gate.would_meet(routed) and self.gate.would_meet(other)
-        )
-
-    def leave_crowded(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:
-        """Should a model=auto request leave the model the router chose because other tenants
-        crowd it (half its seats or more) while the other model is idle? Fair share between
-        tenants: a flood on one model does not make another tenant's chat wait on its steps
-        when a model stands free. Down to the small model only for tiers with `downgrade`."""
-        if to_small and not downgrade:
-            return False
-        return self.gate.crowded_by_others(routed) and self.gate.model_idle(other.model_id) and self.gate.in_time(other)
 
     def shed_undecided(self, large: Ticket, waited_ms: float) -> AdmissionError:
         """The large model can't take the request and its tier may not be downgraded, so the

@@ -46,11 +46,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from admission.errors import AdmissionError
 from admission.gate import AdmissionGate, Ticket
+from admission.model_choice import MOVES, ModelChoice
 from admission.policy import AdmissionPolicy
 from admission.request import RequestContext
 from configs.schemas import AppArgs
 from engines.types import ENGINE_QUEUE_COUNTS, GenerateChunk, GenerateRequest
-from host_tuning.busy_box import BusyBox
 from host_tuning.lookup_window import LookupWindow
 from ingress import choices, embeddings
 from ingress.auth import KeyRing
@@ -108,28 +108,11 @@ CHARS_PER_TOKEN_FLOOR = 8
 RECHECK_S = 0.01
 
 
-def _upgrade(p: Prepared, large: str) -> RouteDecision:
-    """Send the request to the large model: the small one the router chose can't take it."""
-    p.notes["x-admission"] = "upgraded; the small model could not take the request at this load"
-    return RouteDecision(large, "deadline_upgrade")
-
-
-def _busy_downgrade(p: Prepared, small: str) -> RouteDecision:
-    """Send the request to the small model: the box is busy, and its models share the cores."""
-    p.notes["x-admission"] = "downgraded; the box is busy and its models share the cores: the small model serves it"
-    return RouteDecision(small, "busy_box_downgrade")
-
-
-def _uncrowd(p: Prepared, other: str) -> RouteDecision:
-    """Send the request to the other model: other tenants crowd the chosen one, this one is idle."""
-    p.notes["x-admission"] = "moved; other tenants' requests fill the chosen model and this one is idle"
-    return RouteDecision(other, "tenant_crowded")
-
-
-def _downgrade(p: Prepared, small: str) -> RouteDecision:
-    """Send the request to the small model, saying so in its response headers."""
-    p.notes["x-admission"] = "downgraded; the large model was predicted to miss the deadline or cut it close"
-    return RouteDecision(small, "deadline_downgrade")
+def _moved(p: Prepared, model_id: str, reason: str) -> RouteDecision:
+    """The request leaves the model the router chose (admission/model_choice.py), saying why in
+    its response headers."""
+    p.notes["x-admission"] = MOVES[reason]
+    return RouteDecision(model_id, reason)
 
 
 class ReplicaFailed(APIError):
@@ -210,7 +193,6 @@ class Pipeline:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         # Host tuning: a model call started beside the lookup leaves the lookup a core.
         self.lookup_window = LookupWindow(args.host_tuning.window)
-        self.busy_box = BusyBox(args.host_tuning.small_from)  # busy: one engine on the shared cores
         # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
         # The SemanticCache deployment stays the shared source of truth (L2).
         near = args.cache.model_copy(update={"max_entries": max(1, args.cache.near_entries), "ttl_s": args.cache.near_ttl_s})
@@ -231,6 +213,8 @@ class Pipeline:
         # Built here even with placement: remote, to know which requests need the embedding.
         self.router = make_router(args.router, large, small)
         self.load = LoadTracker(args.router.load_aware, large, small)
+        # Where an auto request runs, once the router has judged it (admission/model_choice.py).
+        self.choice = ModelChoice(self.gate, large, small, args.host_tuning.small_from)
         # Models whose replicas draft from a request's hint (a semantic-cache near miss).
         self._hint_models = {
             stage.engine.model_id for stage in (args.target, args.draft)
@@ -669,9 +653,9 @@ class Pipeline:
         admission would send it there whatever the router says, so it goes now (the router's
         embedding costs 15-80 ms on a loaded box); without, the router's verdict alone decides
         between serving and shedding. None: the router decides."""
-        if feasible != [False, True] or p.requested_model != self.args.router.auto_model_id:
+        if p.requested_model != self.args.router.auto_model_id or not self.choice.only_small(feasible, downgrade=p.tier.downgrade):
             return None
-        return _downgrade(p, self.args.draft.engine.model_id) if p.tier.downgrade else None
+        return _moved(p, self.args.draft.engine.model_id, "deadline_downgrade")
 
     async def _await_verdict(self, p: Prepared, routing: asyncio.Future, tickets: list[Ticket]) -> RouteDecision | None:
         """Wait for the router `verdict_wait_ms`, and longer only while the box is idle. Its
@@ -731,18 +715,14 @@ class Pipeline:
             p.admitted_at = time.perf_counter()
             return Permit(None), decision
         large, small = self.args.target.engine.model_id, self.args.draft.engine.model_id
-        auto = p.requested_model == self.args.router.auto_model_id
-        if auto and decision.model_id == large and p.tier.downgrade and self.busy_box.to_small(self.gate, small):
-            decision = _busy_downgrade(p, small)
         ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
-        if auto and decision.model_id in (large, small):
-            to_small = decision.model_id == large
-            other = small if to_small else large
+        if p.requested_model == self.args.router.auto_model_id and decision.model_id in (large, small):
+            other = small if decision.model_id == large else large
             alt = self.admission.ticket(other, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
-            if self.admission.move_to_other(ticket, alt, to_small=to_small, downgrade=p.tier.downgrade):
-                ticket, decision = alt, (_downgrade(p, small) if to_small else _upgrade(p, large))
-            elif self.admission.leave_crowded(ticket, alt, to_small=to_small, downgrade=p.tier.downgrade):
-                ticket, decision = alt, _uncrowd(p, other)
+            choice = self.choice.choose(ticket, alt, downgrade=p.tier.downgrade)
+            ticket = choice.ticket
+            if choice.reason is not None:
+                decision = _moved(p, ticket.model_id, choice.reason)
         await self.admission.admit(ticket)
         # The gate's promise, so a client (and bench load) can hold it to it.
         p.notes["x-admission-predicted"] = (

@@ -635,24 +635,27 @@ def test_a_tenant_at_its_cap_queues_no_one_else():
 def test_an_auto_request_leaves_a_model_other_tenants_crowd_for_an_idle_one():
     """Tenant A fills half or more of the small model's seats; B's auto chat, routed small, goes
     to the idle large model instead. A's own requests, and B's with the large model busy, stay."""
+    from admission.model_choice import ModelChoice
     from admission.policy import AdmissionPolicy
     from configs.schemas import AdmissionConfig
 
     policy = AdmissionPolicy(AdmissionConfig())
     gate = policy.gate
     gate.seats = {"small": 16, "large": 8}
+    choice = ModelChoice(gate, "large", "small")
 
     async def main():
         for _ in range(8):
             await gate.acquire(Ticket("small", "standard", 0, 10, 512, tenant="A"))
         b_small = Ticket("small", "standard", 0, 10, 16, tenant="B")
         b_large = Ticket("large", "standard", 0, 10, 16, tenant="B")
-        assert policy.leave_crowded(b_small, b_large, to_small=False, downgrade=True)
+        moved = choice.choose(b_small, b_large, downgrade=True)
+        assert (moved.ticket, moved.reason) == (b_large, "tenant_crowded")
         a_small = Ticket("small", "standard", 0, 10, 16, tenant="A")
-        assert not policy.leave_crowded(a_small, Ticket("large", "standard", 0, 10, 16, tenant="A"),
-                                        to_small=False, downgrade=True), "A's own crowd is not a reason to move A"
+        stays = choice.choose(a_small, Ticket("large", "standard", 0, 10, 16, tenant="A"), downgrade=True)
+        assert (stays.ticket, stays.reason) == (a_small, None), "A's own crowd is not a reason to move A"
         await gate.acquire(Ticket("large", "standard", 0, 10, 16, tenant="C"))
-        assert not policy.leave_crowded(b_small, b_large, to_small=False, downgrade=True), "the large model is busy"
+        assert choice.choose(b_small, b_large, downgrade=True).reason is None, "the large model is busy"
 
     asyncio.run(main())
 

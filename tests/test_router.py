@@ -256,10 +256,16 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     forced, decision, took, calls = asyncio.run(late_router_served())
     assert (forced.model_id, forced.reason) == (large, "router_late") and calls == 1
     assert 0.03 <= took < 0.5, took
-    # The shipped small-box profile then moves it to the small model, which runs the one
-    # request on the box and has seats free (host_tuning.busy_box_small_from).
+    # Both models predicted alike, the small one busy: it would finish later there, so it stays.
+    assert (decision.model_id, decision.reason) == (large, "router_late")
+    # The small model measured faster: the shipped small-box profile moves it there, since it
+    # runs the one request on the box and has seats free (host_tuning.busy_box_small_from).
+    pipeline.admission.estimates[small].itl.add(1, 5.0)
+    pipeline.admission.estimates[large].itl.add(1, 80.0)
+    other.finish_at = time.monotonic() + 0.2
+    forced, decision, took, calls = asyncio.run(late_router_served())
     assert (decision.model_id, decision.reason) == (small, "busy_box_downgrade")
-    pipeline.busy_box.from_running = None  # the busy box off: admitted where the router committed
+    pipeline.choice.busy_from = None  # the busy box off: admitted where the router committed
     other.finish_at = time.monotonic() + 0.2
     forced, decision, took, calls = asyncio.run(late_router_served())
     assert (decision.model_id, decision.reason) == (large, "router_late")
@@ -408,6 +414,11 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
     pipeline.gate.running.add(Ticket(large, "standard", 0, 10, 10))
     model, reason, note = admit(pipeline)
     assert (model, reason) == (small, "busy_box_downgrade") and note.startswith("downgraded")
+    # Never slower: a small model measured slower than the large one keeps the request large.
+    slow = pipeline_with(1)
+    slow.admission.estimates[small].itl.add(1, 400.0)
+    slow.gate.running.add(Ticket(large, "standard", 0, 10, 10))
+    assert admit(slow)[:2] == (large, "classifier_hard")
     assert admit(pipeline, large)[:2] == (large, "classifier_hard")  # a named model is honored
     assert admit(pipeline, headers={"x-slo-tier": "batch"})[:2] == (large, "classifier_hard")  # no downgrade
     pipeline.gate.seats = {small: 1, large: 8}

@@ -1,0 +1,103 @@
+"""Where a `model: auto` request runs: one decision, from the router's verdict and measured state.
+
+The router judges difficulty (router/). Admission knows what the router can't: each model's
+predicted wait, first token and finish from live state and its own measured speeds (the gate's
+`predicted`), the request's tier and deadlines, and which tenants crowd a model. `ModelChoice`
+takes the router's model and the other one and keeps it or moves it, for one reason, in order:
+
+    deadline_downgrade  the large model would shed it, or miss or cut close its deadlines, and
+                        the small one would take it in time (tiers with `downgrade` only)
+    deadline_upgrade    the small model can't start it in time and the large one can
+    tenant_crowded      other tenants hold half or more of the chosen model's seats and the other
+                        model is idle (fair share: admission/fair_share.py)
+    busy_box_downgrade  on a small box whose models share the cores (host tuning on): with
+                        `busy_from` requests running, the small model has a free seat and is
+                        predicted to finish the request no later than the large one
+
+A move down never makes a request slower than staying where the large model still makes its
+deadlines: the busy-box move needs the small model's predicted finish at or before the large
+one's, and a deadline move happens only where staying would miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from admission.gate import AdmissionGate, Ticket
+
+# The large model keeps a request (in a tier that allows downgrade) when its first token is
+# predicted with this much to spare, else the small model takes it if it has as much. An
+# upgrade to the large model needs as much: measured first tokens come late against their
+# predictions at the tail (docs/admission.md), and a move made on a close call is often wrong.
+DOWNGRADE_TTFT_HEADROOM = 1.5
+
+# Why a request left the model the router chose: the reason in `x-route`, and the note in
+# `x-admission`.
+MOVES = {
+    "deadline_downgrade": "downgraded; the large model was predicted to miss the deadline or cut it close",
+    "deadline_upgrade": "upgraded; the small model could not take the request at this load",
+    "tenant_crowded": "moved; other tenants' requests fill the chosen model and this one is idle",
+    "busy_box_downgrade": "downgraded; the box is busy, its models share the cores, and the small model is "
+    "predicted to finish sooner",
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    ticket: Ticket  # the model it runs on, with its deadlines
+    reason: str | None  # a key of MOVES, or None: it stays where the router sent it
+
+
+class ModelChoice:
+    def __init__(self, gate: AdmissionGate, large: str, small: str, busy_from: int | None = None) -> None:
+        self.gate = gate
+        self.large = large
+        self.small = small
+        self.busy_from = busy_from  # None: no busy-box moves (host tuning off, GPU profiles)
+
+    def choose(self, routed: Ticket, other: Ticket, *, downgrade: bool) -> Choice:
+        """Keep `routed` or move to `other` (the same request on the other model)."""
+        reason = None
+        if routed.model_id == self.large and downgrade and self._small_sooner_on_busy_box(routed, other):
+            routed, other, reason = other, routed, "busy_box_downgrade"
+        to_small = routed.model_id == self.large
+        if self._deadline_move(routed, other, to_small=to_small, downgrade=downgrade):
+            return Choice(other, "deadline_downgrade" if to_small else "deadline_upgrade")
+        if self._leave_crowded(routed, other, to_small=to_small, downgrade=downgrade):
+            return Choice(other, "tenant_crowded")
+        return Choice(routed, reason)
+
+    def only_small(self, feasible: list[bool], *, downgrade: bool) -> bool:
+        """Only the small model of the two (large, small) can take the request now: with
+        downgrade allowed it goes there whatever the router would say."""
+        return feasible == [False, True] and downgrade
+
+    # ------------------------------------------------------------------ rules
+
+    def _small_sooner_on_busy_box(self, large: Ticket, small: Ticket) -> bool:
+        gate = self.gate
+        if self.busy_from is None or gate.concurrency() < self.busy_from or not gate.seat_free(small.model_id):
+            return False
+        return gate.predicted(small).e2e_ms <= gate.predicted(large).e2e_ms
+
+    def _deadline_move(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:
+        """Up to the large model when the small one can't start it now in time (it would queue
+        for a seat, be late, or shed it) and the large one can, its first token clearly in time:
+        waiting for the small model's seats while the large one has free ones is latency thrown
+        away, and a better answer beats a 503. Down to the small model when the large one would
+        shed it, or take it but miss its deadlines or cut its first token close: if the small
+        one is clearly in time, or would take what the large one would shed."""
+        gate = self.gate
+        if not to_small:
+            return not gate.in_time(routed) and gate.in_time(other, DOWNGRADE_TTFT_HEADROOM)
+        if not downgrade or gate.in_time(routed, DOWNGRADE_TTFT_HEADROOM):
+            return False
+        return gate.in_time(other, DOWNGRADE_TTFT_HEADROOM) or (not gate.would_meet(routed) and gate.would_meet(other))
+
+    def _leave_crowded(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:
+        """Fair share between tenants: a flood on one model does not make another tenant's chat
+        wait on its steps while the other model stands idle. Down only for tiers with `downgrade`."""
+        if to_small and not downgrade:
+            return False
+        gate = self.gate
+        return gate.crowded_by_others(routed) and gate.model_idle(other.model_id) and gate.in_time(other)
