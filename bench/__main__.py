@@ -19,6 +19,7 @@ from deployments.local import OFFLINE_ENV
 
 SUITES = {
     "stack": "bench.stack",  # engine direct vs the whole graph; per-hop cost
+    "floor": "bench.floor",  # the graph vs llama-server on the same file and precision, 1/4/8 streams
     "hops": "bench.hops",  # one hop, replica to replica: actor call vs gRPC vs the side channel, side by side
     "overhead": "bench.overhead",  # stack vs engine TTFT/ITL with the per-stage split; tracing's throughput cost
     "spec": "bench.spec",  # speculative decoding vs target-alone vs HF assisted generation
@@ -35,8 +36,8 @@ SUITES = {
     "guidellm": "bench.guidellm",  # guidellm (a public load tool, own env) at 1-8 streams, no headers
     "cluster": "bench.cluster",  # a 4-node local Ray cluster vs one node: cache hit rates, node loss, fleet admission
     "peers": "bench.peers",  # vs vllm serve, Ray Serve LLM, llama.cpp server: guidellm, 4 workloads, goodput
-    "load": "bench.load",
-    "hostile": "bench.hostile",  # one attacker per attack class beside one ordinary tenant: /health, bystander TTFT  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
+    "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
+    "hostile": "bench.hostile",  # one attacker per attack class beside one ordinary tenant: /health, bystander TTFT
 }
 
 

@@ -170,7 +170,38 @@ class _OurStack(PeerSystem):
 
 @register("ours")
 class OurDefault(_OurStack):
-    engine = "the whole graph, serve_config.yaml as shipped (llama.cpp F32 target, batched; llama.cpp BF16 small model)"
+    engine = ("the whole graph, serve_config.yaml as shipped (llama.cpp F32 target drafted by the Q4_1 file; "
+              "llama.cpp Q4_1 small model)")
+
+
+@register("ours-f32")
+class OurFloat32(_OurStack):
+    engine = "the whole graph as shipped, every request naming the float32 target (drafted by the Q4_1 file)"
+    model = "smollm2-135m-instruct"
+
+
+@register("ours-q4")
+class OurQ4(_OurStack):
+    engine = "the whole graph as shipped, every request naming the small model (Q4_1 kernels, prompts in F32)"
+    model = "smollm2-135m-instruct-q4"
+
+
+@register("ours-bare")
+class OurFeaturesOff(_OurStack):
+    """The engine behind the graph without its features: no response cache, FIFO admission, no
+    speculation, the float32 target named: what the graph costs, apart from what it adds."""
+
+    engine = "the whole graph with the cache, admission and speculation off, the float32 target named"
+    model = "smollm2-135m-instruct"
+
+    def prepare(self) -> None:
+        super().prepare()
+        doc = yaml.safe_load(self.config_path.read_text())
+        args = doc["applications"][0]["args"]
+        args["cache"] = {"enabled": False}
+        args["admission"]["mode"] = "fifo"
+        args["target"]["speculative"] = {"method": "none"}
+        self.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
 @register("ours-vllm")
@@ -223,6 +254,51 @@ class LlamaCppServer(PeerSystem):
                 "--n_threads_batch", str(os.cpu_count() or 2), "--chat_format", "chatml",
                 # queue concurrent requests; its default cuts the running stream short for a new one
                 "--interrupt_requests", "False"]
+
+
+class LlamaServer(PeerSystem):
+    """ggml's own `llama-server` (built from the llama.cpp source llama-cpp-python vendors, by
+    `bash scripts/peers.sh llamaserver`) as its users run it: continuous batching over 8 parallel
+    slots of 2,048 tokens, every core, on the GGUF at one precision (a row per precision). On a
+    CPU with AMX its weight repacking crashes at the first pass, so repacking is off there, as a
+    user of that box must set it."""
+
+    weights = "f32"
+    startup_timeout_s = 120.0
+
+    def model_file(self) -> Path:
+        from engines.model_store import requantized_gguf
+
+        return gguf_path() if self.weights == "gguf" else requantized_gguf(gguf_path(), self.weights)
+
+    def command(self) -> list[str]:
+        from engines.cpu_features import cpu_has_amx
+
+        threads = str(os.cpu_count() or 2)
+        cmd = [str(self._need(PEERS / "llama-server" / "bin" / "llama-server")), "-m", str(self.model_file()),
+               "--alias", MODEL, "--host", "127.0.0.1", "--port", str(self.port), "-np", "8", "-c", str(8 * 2048),
+               "-t", threads, "-tb", threads]
+        return cmd + (["--no-repack"] if cpu_has_amx() else [])
+
+    def describe(self) -> dict:
+        return {"engine": self.engine, "model": self.model, "weights": self.weights}
+
+
+@register("llama-server")
+class LlamaServerF32(LlamaServer):
+    engine = "llama-server (ggml, llama-cpp-python 0.3.36's vendored source), the GGUF as F32, 8 slots"
+
+
+@register("llama-server-q4")
+class LlamaServerQ4(LlamaServer):
+    engine = "llama-server (ggml, llama-cpp-python 0.3.36's vendored source), the shipped Q4_1 GGUF, 8 slots"
+    weights = "gguf"
+
+
+@register("llama-server-bf16")
+class LlamaServerBF16(LlamaServer):
+    engine = "llama-server (ggml, llama-cpp-python 0.3.36's vendored source), the GGUF as BF16, 8 slots"
+    weights = "bf16"
 
 
 def main() -> None:

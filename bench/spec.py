@@ -1,6 +1,7 @@
 """Suite `spec`: speculative decoding vs target-alone vs transformers' assisted generation.
 
-One process, one run, the same fp32 target for everything:
+One process, one run, the same fp32 target for everything (then `default_profile`: the shipped
+serve_config.yaml's llama.cpp target against its own speculation, one stream):
 - target alone: our decode loop without speculation;
 - ours: the speculative config of configs/cpu-exact.yaml (and, unless --quick, each
   candidate proposer, so the shipped default is the measured winner);
@@ -195,6 +196,57 @@ def _grammar_workload(service, builder, max_tokens: int) -> dict:
     }
 
 
+def _default_profile(workloads_text: dict, requests: int, max_tokens: int) -> dict:
+    """serve_config.yaml's own target (llama.cpp in float32, drafted by the same file's Q4_1
+    kernels and by prompt lookup), one stream: target alone against its speculation, lossless
+    checked token by token, per workload and mixed."""
+    from ingress.prompts import PromptBuilder
+    from ingress.protocol import ChatMessage
+    from target.service import ModelService
+
+    stage = load_serve_config().args.target
+    service = ModelService(stage)
+    builder = PromptBuilder(service.engine.tokenizer)
+    runs: dict[str, dict[str, list[dict]]] = {}
+    lossless = True
+
+    def measure() -> None:
+        nonlocal lossless
+        for name, convs in workloads_text.items():
+            per = runs.setdefault(name, {"target": [], "ours": []})
+            for conv in convs[:requests]:
+                ids = builder.chat([ChatMessage(**m) for m in conv])
+                base = _decode(service, ids, max_tokens, speculate=False)
+                ours = _decode(service, ids, max_tokens, speculate=True)
+                lossless &= ours["tokens"] == base["tokens"]
+                per["target"].append(base)
+                per["ours"].append(ours)
+
+    service.executor.submit(measure).result()  # on the replica's one worker thread, as served
+    service.executor.shutdown(wait=True)
+
+    def block(r: dict[str, list[dict]]) -> dict:
+        proposed = sum(x["proposed"] for x in r["ours"])
+        return {
+            "speedup_vs_target": round(_rate(r["ours"]) / _rate(r["target"]), 3),
+            "e2e_speedup_vs_target": round(_e2e_rate(r["ours"]) / _e2e_rate(r["target"]), 3),
+            "tokens_per_s": {"target": round(_rate(r["target"]), 2), "ours": round(_rate(r["ours"]), 2)},
+            "acceptance_rate": round(sum(x["accepted"] for x in r["ours"]) / proposed, 3) if proposed else 0.0,
+        }
+
+    mixed: dict[str, list[dict]] = {"target": [], "ours": []}
+    for r in runs.values():
+        mixed["target"] += r["target"]
+        mixed["ours"] += r["ours"]
+    return {
+        "engine": f"{stage.engine.kind} {stage.engine.weights}",
+        "speculative": stage.speculative.method,
+        "lossless": lossless,
+        "mixed": block(mixed),
+        "workloads": {name: block(r) for name, r in runs.items()},
+    }
+
+
 def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
     from target.service import ModelService
     from ingress.prompts import PromptBuilder
@@ -253,13 +305,16 @@ def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
 
     workloads_out = {name: block(runs) for name, runs in results.items()}
     grammar = _grammar_workload(service, builder, max_tokens)
+    service.executor.shutdown(wait=True)
+    default_profile = _default_profile(conversations(), requests, max_tokens)
     mixed_runs: dict[str, list[dict]] = {}
     for runs in results.values():
         for key, value in runs.items():
             mixed_runs.setdefault(key, []).extend(value)
     return {
-        "lossless": lossless and grammar["lossless"],
+        "lossless": lossless and grammar["lossless"] and default_profile["lossless"],
         "mixed": block(mixed_runs),
+        "default_profile": default_profile,
         "workloads": workloads_out,
         "json_schema": grammar,
         "config": {

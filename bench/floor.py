@@ -1,0 +1,175 @@
+"""Suite `floor`: the graph against the engine it wraps, at 1, 4 and 8 streams, same file, same precision.
+
+Pairs (bench/peer_systems.py), each system started alone on an idle box, stopped before the
+next starts:
+- `ours-f32` (the whole graph as shipped, every request naming the float32 target, which its
+  Q4_1 copy drafts) against `llama-server` on the GGUF as F32;
+- `ours-q4` (the whole graph, every request naming the small model: Q4_1 kernels, its prompts
+  prefilled in F32) against `llama-server-q4` on the shipped Q4_1 file;
+- `ours-bare` (the graph with cache, admission and speculation off) against `llama-server`:
+  what the graph costs apart from what it adds.
+
+Load: guidellm 0.8.1's concurrent profile, 128-token synthetic prompts, 64 output tokens
+(`ignore_eos`), at 1, 4 and 8 streams, `seconds` per level, the same tokenizer and data for
+every system; each system is warmed with the same three requests. `repetitions` runs the whole
+set that many times, in order; the result keeps each run and the spread (min-max) of every
+figure. `ratios` divide ours by llama-server per pair and level: ITL and TTFT (lower is better)
+and output tokens/s (higher is better).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from bench.peer_systems import SYSTEMS, SystemUnavailable, safetensors_dir
+from bench.peers import GUIDELLM, REPORTS, _dist, _guidellm, _warm
+
+PAIRS = (("ours-f32", "llama-server"), ("ours-q4", "llama-server-q4"), ("ours-bare", "llama-server"))
+STREAMS = (1, 4, 8)
+PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64
+IDLE_CORES = 0.3  # the box counts as idle below this many busy cores
+
+
+def _busy_cores(seconds: float = 2.0) -> float:
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat", "rb") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)
+
+    (busy0, all0), _ = ticks(), time.sleep(seconds)
+    busy1, all1 = ticks()
+    import os
+
+    return (busy1 - busy0) / max(1, all1 - all0) * (os.cpu_count() or 1)
+
+
+def wait_idle(timeout_s: float = 60.0) -> float:
+    """Wait until the box is idle (the previous system's processes gone); the load seen last."""
+    deadline = time.monotonic() + timeout_s
+    load = _busy_cores()
+    while load >= IDLE_CORES and time.monotonic() < deadline:
+        load = _busy_cores()
+    return round(load, 3)
+
+
+def _scenario(base: str, model: str, seconds: float) -> dict:
+    body = {"temperature": 0, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True}
+    return {
+        "metadata": {"name": "latency-serve-floor", "description": "graph vs engine"},
+        "spec": {
+            "backend": {"kind": "openai_http", "target": base, "model": model, "request_format": "/v1/chat/completions",
+                        "timeout": 120.0, "validate_backend": False, "extras": {"body": body}},
+            "profile": {"kind": "concurrent"},
+            "tokenizer": {"kind": "huggingface_auto", "model": str(safetensors_dir())},
+            "data": [{"kind": "synthetic_text", "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS}],
+            "constraints": [{"kind": "max_duration", "seconds": seconds}],
+        },
+        "benchmarks": [{"profile.streams": n} for n in STREAMS],
+    }
+
+
+def _levels(report: dict) -> dict[int, dict]:
+    out = {}
+    for streams, bench in zip(STREAMS, report.get("benchmarks", [])):
+        m = bench["metrics"]
+        tps = (m.get("output_tokens_per_second") or {}).get("successful") or {}
+        rps = (m.get("requests_per_second") or {}).get("successful") or {}
+        totals = m.get("request_totals") or {}
+        out[streams] = {
+            "answered": totals.get("successful"), "errored": totals.get("errored"),
+            "requests_per_s": round(rps.get("mean") or 0.0, 3),
+            "output_tokens_per_s": round(tps.get("mean") or 0.0, 2),
+            "ttft_ms": _dist(m.get("time_to_first_token_ms")),
+            "itl_ms": _dist(m.get("inter_token_latency_ms")),
+        }
+    return out
+
+
+def _measure(name: str, workdir: Path, seconds: float, rep: int) -> dict:
+    system = SYSTEMS[name](workdir)
+    idle_before = wait_idle()
+    base = system.start()
+    try:
+        _warm(base, system.model)
+        report = _guidellm(_scenario(base, system.model, seconds), REPORTS / f"floor__{name}__{rep}.json",
+                           seconds * len(STREAMS) * 3 + 300)
+    finally:
+        system.stop()
+    return {"idle_cores_before": idle_before, "levels": _levels(report)}
+
+
+def _spread(values: list[float | None]) -> dict:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    return {"median": vals[len(vals) // 2], "min": vals[0], "max": vals[-1]}
+
+
+def run(quick: bool = False, repetitions: int | None = None, **_: object) -> dict:
+    import tempfile
+
+    if not GUIDELLM.exists():
+        raise SystemExit("guidellm is not installed: run `bash scripts/peers.sh guidellm llamaserver`")
+    reps = repetitions or (1 if quick else 3)
+    seconds = 15.0 if quick else 30.0
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    names = list(dict.fromkeys(n for pair in PAIRS for n in pair))
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    unavailable: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(reps):
+            for name in names:
+                if name in unavailable:
+                    continue
+                try:
+                    runs[name].append(_measure(name, Path(tmp), seconds, rep))
+                except SystemUnavailable as exc:
+                    unavailable[name] = str(exc)[:500]
+                print(f"floor: {name} run {rep + 1}/{reps} done", flush=True)
+
+    def figure(name: str, streams: int, key: str, stat: str = "p50") -> list[float | None]:
+        out = []
+        for r in runs[name]:
+            level = r["levels"].get(streams) or {}
+            value = level.get(key)
+            out.append(value.get(stat) if isinstance(value, dict) else value)
+        return out
+
+    systems = {
+        name: {
+            "engine": SYSTEMS[name].engine,
+            "levels": {
+                streams: {
+                    "itl_ms_p50": _spread(figure(name, streams, "itl_ms")),
+                    "ttft_ms_p50": _spread(figure(name, streams, "ttft_ms")),
+                    "output_tokens_per_s": _spread(figure(name, streams, "output_tokens_per_s")),
+                    "errored": sum(v or 0 for v in figure(name, streams, "errored")),
+                }
+                for streams in STREAMS
+            },
+            "runs": runs[name],
+        }
+        for name in names if runs[name]
+    }
+
+    def ratio(ours: str, peer: str, streams: int, key: str) -> float | None:
+        a = systems.get(ours, {}).get("levels", {}).get(streams, {}).get(key, {}).get("median")
+        b = systems.get(peer, {}).get("levels", {}).get(streams, {}).get(key, {}).get("median")
+        return round(a / b, 3) if a and b else None
+
+    ratios = {
+        f"{ours} / {peer}": {
+            streams: {k: ratio(ours, peer, streams, k) for k in ("itl_ms_p50", "ttft_ms_p50", "output_tokens_per_s")}
+            for streams in STREAMS
+        }
+        for ours, peer in PAIRS
+    }
+    return {
+        "config": {"tool": "guidellm 0.8.1", "profile": "concurrent", "streams": list(STREAMS),
+                   "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "seconds_per_level": seconds,
+                   "repetitions": reps, "pairs": [list(p) for p in PAIRS]},
+        "ratios": ratios,
+        "systems": systems,
+        "unavailable": unavailable,
+    }
