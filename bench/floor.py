@@ -106,13 +106,47 @@ def _spread(values: list[float | None]) -> dict:
     return {"median": vals[len(vals) // 2], "min": vals[0], "max": vals[-1]}
 
 
-def run(quick: bool = False, repetitions: int | None = None, **_: object) -> dict:
+def _plot(systems: dict, out: Path) -> str:
+    """Per pair: ITL p50 and output tokens/s by streams, ours beside llama-server, with the
+    spread of the repetitions as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(PAIRS), figsize=(5 * len(PAIRS), 7), squeeze=False)
+    for col, pair in enumerate(PAIRS):
+        for row, key in enumerate(("itl_ms_p50", "output_tokens_per_s")):
+            ax = axes[row][col]
+            for offset, name in zip((-0.15, 0.15), pair):
+                levels = systems.get(name, {}).get("levels", {})
+                xs, ys, lo, hi = [], [], [], []
+                for i, streams in enumerate(STREAMS):
+                    fig_ = levels.get(streams, {}).get(key, {})
+                    if fig_.get("median") is None:
+                        continue
+                    xs.append(i + offset)
+                    ys.append(fig_["median"])
+                    lo.append(fig_["median"] - fig_["min"])
+                    hi.append(fig_["max"] - fig_["median"])
+                ax.bar(xs, ys, width=0.3, yerr=[lo, hi], label=name, capsize=3)
+            ax.set_xticks(range(len(STREAMS)), [f"{n} streams" for n in STREAMS])
+            ax.set_title(f"{pair[0]} vs {pair[1]}: {key}", fontsize=9)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return str(path)
+
+
+def run(quick: bool = False, repetitions: int | None = None, out: str | None = None, **_: object) -> dict:
     import tempfile
 
     if not GUIDELLM.exists():
         raise SystemExit("guidellm is not installed: run `bash scripts/peers.sh guidellm llamaserver`")
     reps = repetitions or (1 if quick else 3)
-    seconds = 15.0 if quick else 30.0
+    seconds = 15.0 if quick else 20.0
     REPORTS.mkdir(parents=True, exist_ok=True)
     names = list(dict.fromkeys(n for pair in PAIRS for n in pair))
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -165,7 +199,9 @@ def run(quick: bool = False, repetitions: int | None = None, **_: object) -> dic
         }
         for ours, peer in PAIRS
     }
+    plot = _plot(systems, Path(out)) if out else None
     return {
+        "plot": plot,
         "config": {"tool": "guidellm 0.8.1", "profile": "concurrent", "streams": list(STREAMS),
                    "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "seconds_per_level": seconds,
                    "repetitions": reps, "pairs": [list(p) for p in PAIRS]},

@@ -69,3 +69,38 @@ def test_a_point_counts_requests_left_running_as_missing_the_objective():
     assert point["conforming"] == 6 and point["conforming_of_sent"] == 0.6
     assert point["e2e_ms"]["p50"] == 3000.0 and point["ttft_ms"]["p99"] == 900.0
     assert set(WORKLOADS) == {"chat", "shared_prefix", "repeats", "burst"}
+
+
+def test_the_feature_off_row_runs_the_shipped_graph_without_cache_admission_or_speculation(tmp_path):
+    """`bench floor`'s `ours-bare` is serve_config.yaml with only the features off: what the graph
+    costs apart from what it adds, against llama-server on the same F32 file."""
+    import yaml
+
+    from bench.peer_systems import SYSTEMS
+    from configs.schemas import AppArgs
+
+    bare = SYSTEMS["ours-bare"](tmp_path)
+    bare.prepare()
+    args = yaml.safe_load(bare.config_path.read_text())["applications"][0]["args"]
+    parsed = AppArgs.model_validate(args)  # still a valid config
+    assert not parsed.cache.enabled and parsed.admission.mode == "fifo"
+    assert parsed.target.speculative.method == "none"
+    assert bare.model == parsed.target.engine.model_id and parsed.target.engine.weights == "f32"
+    from bench.peer_systems import REPO
+
+    shipped = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    assert args["target"]["engine"] == shipped["applications"][0]["args"]["target"]["engine"]
+
+
+def test_llama_server_rows_serve_the_file_each_of_ours_runs_at_its_precision(tmp_path):
+    """Same weights, same precision within a row: llama-server-q4 the shipped Q4_1 file our small
+    model decodes with, llama-server the F32 copy our target runs."""
+    from bench.peer_systems import SYSTEMS, gguf_path
+    from configs.serve_config import load_serve_config
+
+    args = load_serve_config().args
+    assert SYSTEMS["llama-server-q4"](tmp_path).model_file() == gguf_path()
+    assert args.draft.engine.weights == "gguf" and SYSTEMS["ours-q4"].model == args.draft.engine.model_id
+    f32 = SYSTEMS["llama-server"](tmp_path).model_file()
+    assert args.target.engine.weights == "f32" and f32.name.endswith(".f32.gguf")
+    assert SYSTEMS["ours-f32"].model == args.target.engine.model_id
