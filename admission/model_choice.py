@@ -3,16 +3,20 @@
 The router judges difficulty (router/). Admission knows what the router can't: each model's
 predicted wait, first token and finish from live state and its own measured speeds (the gate's
 `predicted`), the request's tier and deadlines, and which tenants crowd a model. `ModelChoice`
-takes the router's model and the other one and keeps it or moves it, for one reason, in order:
+takes the router's model and the other one and keeps it or moves it, for one reason; the rules,
+in the order they apply:
 
+    load_downgrade      a borderline request (its difficulty near the router's threshold) that
+    load_upgrade        the threshold moved by each model's live load sends to the other model
+                        (`by_load`; before admission, in FIFO mode too)
+    busy_box_downgrade  on a small box whose models share the cores (host tuning on): with
+                        `busy_from` requests running, the small model has a free seat and is
+                        predicted to finish the request no later than the large one
     deadline_downgrade  the large model would shed it, or miss or cut close its deadlines, and
                         the small one would take it in time (tiers with `downgrade` only)
     deadline_upgrade    the small model can't start it in time and the large one can
     tenant_crowded      other tenants hold half or more of the chosen model's seats and the other
                         model is idle (fair share: admission/fair_share.py)
-    busy_box_downgrade  on a small box whose models share the cores (host tuning on): with
-                        `busy_from` requests running, the small model has a free seat and is
-                        predicted to finish the request no later than the large one
 
 A move down never makes a request slower than staying where the large model still makes its
 deadlines: the busy-box move needs the small model's predicted finish at or before the large
@@ -66,6 +70,19 @@ class ModelChoice:
         if self._leave_crowded(routed, other, to_small=to_small, downgrade=downgrade):
             return Choice(other, "tenant_crowded")
         return Choice(routed, reason)
+
+    def by_load(self, model_id: str, p_hard: float, threshold: float, shift: float,
+                bounds: tuple[float, float]) -> tuple[str, str, float] | None:
+        """The router's difficulty verdict against its threshold moved by live load (router/load.py:
+        a busy large model raises it, a busy small one lowers it, within `bounds`): (model,
+        `load_downgrade` or `load_upgrade`, the moved threshold) where that flips the verdict, else
+        None. Clear-cut requests never move."""
+        low, high = bounds
+        moved = min(high, max(low, threshold + shift))
+        large_now = p_hard >= moved
+        if large_now == (model_id == self.large):
+            return None
+        return (self.large, "load_upgrade", moved) if large_now else (self.small, "load_downgrade", moved)
 
     def only_small(self, feasible: list[bool], *, downgrade: bool) -> bool:
         """Only the small model of the two (large, small) can take the request now: with

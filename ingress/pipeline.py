@@ -711,6 +711,7 @@ class Pipeline:
     async def _admit(self, p: Prepared, decision: RouteDecision) -> tuple[Permit, RouteDecision]:
         """Start, queue or shed (503); downgrade to the small model when only it can make the
         deadline and the tier allows it. fifo mode admits everything, in arrival order."""
+        decision = self._moved_by_load(p, decision)
         if p.mode == "fifo":
             p.admitted_at = time.perf_counter()
             return Permit(None), decision
@@ -731,6 +732,19 @@ class Pipeline:
         p.ticket = ticket
         p.admitted_at = time.perf_counter()
         return Permit(self.gate, ticket), decision
+
+    def _moved_by_load(self, p: Prepared, decision: RouteDecision) -> RouteDecision:
+        """An auto request the classifier judged: the threshold moved by live load may send it to
+        the other model (admission/model_choice.py); the router itself judges difficulty only."""
+        if p.requested_model != self.args.router.auto_model_id or decision.p_hard is None or decision.threshold is None:
+            return decision
+        c = self.args.router.classifier
+        moved = self.choice.by_load(decision.model_id, decision.p_hard, decision.threshold, self.load.threshold_shift(),
+                                    (c.min_threshold, c.max_threshold))
+        if moved is None:
+            return decision
+        model_id, reason, threshold = moved
+        return RouteDecision(model_id, reason, decision.p_hard, threshold)
 
     def _finished(self, p: Prepared, last: GenerateChunk, first_at: float) -> None:
         """A complete answer teaches admission how long this model takes (coalesced followers
@@ -827,7 +841,6 @@ class Pipeline:
     async def _route(self, p: Prepared) -> RouteDecision:
         features = p.features
         try:
-            features.threshold_shift = self.load.threshold_shift()
             if features.last_user_message and self.router.wants_embedding(features):
                 # Share the cache lookup's embedding (made in the SemanticCache replica): wait
                 # for it rather than encode a second time beside it on a small box.

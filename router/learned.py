@@ -1,9 +1,9 @@
-"""Learned routing: the difficulty classifier on the shared embedding, threshold moved by load.
+"""Learned routing: the difficulty classifier on the shared embedding.
 
-p_hard >= threshold goes to the large model. The ingress shifts the threshold from live load
-(router/load.py): when the large model is slow or busy, borderline requests go small
-("load_downgrade") before admission has to shed anything; when the small one is, they go
-large ("load_upgrade"). Clear-cut requests stay where they belong.
+p_hard >= threshold goes to the large model. The router judges difficulty only: the ingress
+moves a borderline verdict by live load afterwards, in the one place that decides an auto
+request's model (admission/model_choice.py: `load_downgrade`, `load_upgrade`). A
+`threshold_shift` in the features still moves the threshold here, for callers that pass one.
 """
 
 from __future__ import annotations

@@ -682,3 +682,20 @@ def test_a_tenant_alone_on_the_service_has_all_of_it():
         assert gate._tenant_room(Ticket("m", "t", 0, 10, 20, tenant="A"))
 
     asyncio.run(main())
+
+
+def test_live_load_moves_only_a_borderline_verdict_and_only_as_far_as_the_bounds():
+    """The router judges difficulty; the threshold moved by load (router/load.py's shift) is
+    applied in admission/model_choice.py: a busy large model sends a borderline request small, a
+    busy small one sends a borderline-easy one large, and a clear-cut one stays."""
+    from admission.model_choice import ModelChoice
+    from admission.policy import AdmissionPolicy
+    from configs.schemas import AdmissionConfig
+
+    choice = ModelChoice(AdmissionPolicy(AdmissionConfig()).gate, "large", "small")
+    bounds = (0.15, 0.9)
+    assert choice.by_load("large", 0.6, 0.5, 0.0, bounds) is None  # no load difference: the verdict
+    assert choice.by_load("large", 0.6, 0.5, 0.25, bounds) == ("small", "load_downgrade", 0.75)
+    assert choice.by_load("large", 0.95, 0.5, 1.0, bounds) is None  # clear-cut: past max_threshold
+    assert choice.by_load("small", 0.4, 0.5, -0.2, bounds) == ("large", "load_upgrade", pytest.approx(0.3))
+    assert choice.by_load("small", 0.05, 0.5, -1.0, bounds) is None  # clear-cut easy: under min_threshold

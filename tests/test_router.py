@@ -414,6 +414,26 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
     pipeline.gate.running.add(Ticket(large, "standard", 0, 10, 10))
     model, reason, note = admit(pipeline)
     assert (model, reason) == (small, "busy_box_downgrade") and note.startswith("downgraded")
+    # The router judges difficulty; live load moves a borderline verdict here, in FIFO mode too.
+    loaded = pipeline_with(0)
+    loaded.load.started(large)
+    loaded.load.started(large)  # the large model at its pressure capacity, the small one idle
+
+    def admit_judged(pipeline: Pipeline, p_hard: float, mode: str):
+        ctx = context_from_headers({})
+        p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "Why?"}],
+                                               "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx), mode)
+        pipeline.preparer.tokenize(p)
+
+        async def go():
+            permit, decision = await pipeline._admit(p, RouteDecision(large, "classifier_hard", p_hard, 0.5))
+            permit.release()
+            return decision.model_id, decision.reason
+        return asyncio.run(go())
+
+    for mode in ("predictive", "fifo"):
+        assert admit_judged(loaded, 0.6, mode) == (small, "load_downgrade"), mode
+        assert admit_judged(loaded, 0.95, mode) == (large, "classifier_hard"), mode  # clear-cut: stays
     # Never slower: a small model measured slower than the large one keeps the request large.
     slow = pipeline_with(1)
     slow.admission.estimates[small].itl.add(1, 400.0)
