@@ -19,6 +19,7 @@ and output tokens/s (higher is better).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -32,15 +33,15 @@ IDLE_CORES = 0.3  # the box counts as idle below this many busy cores
 
 
 def _busy_cores(seconds: float = 2.0) -> float:
+    """Cores the whole box kept busy (not idle, not waiting for I/O) over `seconds`."""
     def ticks() -> tuple[int, int]:
         with open("/proc/stat", "rb") as f:
             fields = [int(v) for v in f.readline().split()[1:9]]
         return sum(fields) - fields[3] - fields[4], sum(fields)
 
-    (busy0, all0), _ = ticks(), time.sleep(seconds)
+    busy0, all0 = ticks()
+    time.sleep(seconds)
     busy1, all1 = ticks()
-    import os
-
     return (busy1 - busy0) / max(1, all1 - all0) * (os.cpu_count() or 1)
 
 

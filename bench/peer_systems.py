@@ -187,12 +187,11 @@ class OurQ4(_OurStack):
 
 
 @register("ours-bare")
-class OurFeaturesOff(_OurStack):
+class OurFeaturesOff(OurFloat32):
     """The engine behind the graph without its features: no response cache, FIFO admission, no
     speculation, the float32 target named: what the graph costs, apart from what it adds."""
 
     engine = "the whole graph with the cache, admission and speculation off, the float32 target named"
-    model = "smollm2-135m-instruct"
 
     def prepare(self) -> None:
         super().prepare()
@@ -265,6 +264,11 @@ class LlamaServer(PeerSystem):
 
     weights = "f32"
     startup_timeout_s = 120.0
+    FILES = {"gguf": "the shipped Q4_1 GGUF", "f32": "the GGUF as F32", "bf16": "the GGUF as BF16"}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.engine = f"llama-server (ggml, llama-cpp-python 0.3.36's vendored source), {cls.FILES[cls.weights]}, 8 slots"
 
     def model_file(self) -> Path:
         from engines.model_store import requantized_gguf
@@ -286,18 +290,16 @@ class LlamaServer(PeerSystem):
 
 @register("llama-server")
 class LlamaServerF32(LlamaServer):
-    engine = "llama-server (ggml, llama-cpp-python 0.3.36's vendored source), the GGUF as F32, 8 slots"
+    weights = "f32"
 
 
 @register("llama-server-q4")
 class LlamaServerQ4(LlamaServer):
-    engine = "llama-server (ggml, llama-cpp-python 0.3.36's vendored source), the shipped Q4_1 GGUF, 8 slots"
     weights = "gguf"
 
 
 @register("llama-server-bf16")
 class LlamaServerBF16(LlamaServer):
-    engine = "llama-server (ggml, llama-cpp-python 0.3.36's vendored source), the GGUF as BF16, 8 slots"
     weights = "bf16"
 
 

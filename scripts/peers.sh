@@ -17,6 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 ROOT=.venv-peers
+LLAMA_CPP_PYTHON=0.3.36  # llama-cpp-python: its server, and the llama.cpp source llama-server builds from
 mkdir -p "$ROOT"
 
 pip_in() { "$ROOT/$1/bin/python" -m pip --disable-pip-version-check -q install "${@:2}"; }
@@ -32,7 +33,7 @@ llamacpp() {
   [ -f "$ROOT/llamacpp/.done" ] && return
   make_env llamacpp
   # PyPI has only an sdist: it builds with the machine's gcc/cmake (~5 min the first time).
-  pip_in llamacpp "llama-cpp-python[server]==0.3.36"
+  pip_in llamacpp "llama-cpp-python[server]==$LLAMA_CPP_PYTHON"
   touch "$ROOT/llamacpp/.done"
 }
 
@@ -41,9 +42,9 @@ llamaserver() {
   local work="$ROOT/llama-server/src"
   rm -rf "$work"; mkdir -p "$work" "$ROOT/llama-server/bin"
   "$PY" -m pip --disable-pip-version-check -q download --no-deps --no-binary :all: \
-    -d "$work" "llama-cpp-python==0.3.36"
-  tar -xzf "$work"/llama_cpp_python-0.3.36.tar.gz -C "$work"
-  local src="$work/llama_cpp_python-0.3.36/vendor/llama.cpp"
+    -d "$work" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+  tar -xzf "$work/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$work"
+  local src="$work/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp"
   # Native CPU kernels, as llama-cpp-python builds them; no network at run time (no curl).
   cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
@@ -74,23 +75,7 @@ vllm() {
   touch "$ROOT/vllm/.done"
 }
 
-ours_llamaserver() {
-  [ -x "$ROOT/llama-server/bin/llama-server" ] && return
-  local work="$ROOT/llama-server/src"
-  rm -rf "$work"; mkdir -p "$work" "$ROOT/llama-server/bin"
-  "$PY" -m pip --disable-pip-version-check -q download --no-deps --no-binary :all: \
-    -d "$work" "llama-cpp-python==0.3.36"
-  tar -xzf "$work"/llama_cpp_python-0.3.36.tar.gz -C "$work"
-  local src="$work/llama_cpp_python-0.3.36/vendor/llama.cpp"
-  # Native CPU kernels, as llama-cpp-python builds them; no network at run time (no curl).
-  cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
-  cmake --build "$work/build" --target llama-server -j "$(nproc)" >/dev/null
-  cp "$work/build/bin/llama-server" "$ROOT/llama-server/bin/"
-  rm -rf "$work"
-}
-
-vllm() {
+ours_vllm() {
   vllm
   make_env ours-vllm
   local site; site=$("$ROOT/ours-vllm/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

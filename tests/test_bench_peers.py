@@ -104,3 +104,17 @@ def test_llama_server_rows_serve_the_file_each_of_ours_runs_at_its_precision(tmp
     f32 = SYSTEMS["llama-server"](tmp_path).model_file()
     assert args.target.engine.weights == "f32" and f32.name.endswith(".f32.gguf")
     assert SYSTEMS["ours-f32"].model == args.target.engine.model_id
+
+
+def test_the_peers_script_defines_each_environment_it_makes_once():
+    """`bash scripts/peers.sh` with no argument makes every environment in its default list: each
+    is one shell function, defined once (a second definition would silently replace the first)."""
+    import re
+
+    from bench.peer_systems import REPO
+
+    text = (REPO / "scripts" / "peers.sh").read_text()
+    defined = re.findall(r"^([a-z_]+)\(\) \{", text, flags=re.M)
+    default = re.search(r'for what in "\$\{@:-([^}]*)\}"', text).group(1).split()
+    assert default and all(defined.count(name) == 1 for name in default), (default, defined)
+    assert len(defined) == len(set(defined)), defined
