@@ -23,7 +23,10 @@ from engines.types import GenerateChunk, GenerateRequest
 from ingress.api import build_api
 from ingress.direct import DirectListener
 from ingress.errors import APIError
-from ingress.pipeline import ModelStream, Pipeline
+from ingress.accounting import RequestAccounting
+from ingress.inflight import ModelStream
+from ingress.pipeline import Pipeline
+from ingress.readiness import Readiness
 from ingress.prompts import PromptBuilder
 from router.base import RouteDecision, RouteFeatures
 from semantic_cache.cache import CacheEntry, Lookup
@@ -239,35 +242,36 @@ class Ingress:
                 runtime=config.cache.semantic.embed_runtime,
             )
             embedder = await asyncio.get_running_loop().run_in_executor(None, load)
-        self.pipeline = Pipeline(config, backends, _prompt_builders(config), embedder)
-        self.pipeline.tracer = make_tracer(config.telemetry.tracing, "Ingress")
-        if config.telemetry.metrics.enabled:
-            models = [config.target.engine.model_id, config.draft.engine.model_id]
-            self.pipeline.metrics = RequestMetrics(config.telemetry.metrics, models)
-            self._gauge_task = asyncio.create_task(self._gauges_forever(self.pipeline.metrics))
         replica_id = f"{os.getpid()}-{id(self)}"
         try:
             replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:
             pass
-        self.pipeline.served_by = f"{replica_id}@{node_id[:12]}"
-        self._admission = AdmissionSync(
-            self.pipeline.admission, admission.report.remote, replica_id, config.admission.sync_interval_s,
-            on_invalidated=self.pipeline.forget_tenants,
-        )
-        self._sync_task = asyncio.create_task(self._admission.run_forever())
+        metrics = RequestMetrics(config.telemetry.metrics, [config.target.engine.model_id, config.draft.engine.model_id]) \
+            if config.telemetry.metrics.enabled else None
         # Ready means every stage on the request path answers: /health says 503 until then, and
         # the first real request finds the handles' replica sets already known.
-        self.pipeline.ready = False
+        self.readiness = Readiness(ready=False)
+        self.pipeline = Pipeline(
+            config, backends, _prompt_builders(config), embedder,
+            accounting=RequestAccounting(metrics, make_tracer(config.telemetry.tracing, "Ingress")),
+            readiness=self.readiness, served_by=f"{replica_id}@{node_id[:12]}",
+        )
+        if metrics is not None:
+            self._gauge_task = asyncio.create_task(self._gauges_forever(metrics))
+        self._admission = AdmissionSync(
+            self.pipeline.admission, admission.report.remote, replica_id, config.admission.sync_interval_s,
+            on_invalidated=self.pipeline.cache.forget_tenants,
+        )
+        self._sync_task = asyncio.create_task(self._admission.run_forever())
         self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats], finding))
         self._direct = None
         if config.ingress.direct_port is not None:
             self._direct = DirectListener(
-                build_api(self.pipeline), config.ingress.direct_host, config.ingress.direct_port,
+                build_api(self.pipeline, self._stalled_readers), config.ingress.direct_host, config.ingress.direct_port,
                 send_timeout_s=config.ingress.send_timeout_s, drain_s=config.ingress.drain_s,
             )
             self._direct.start()
-            self.pipeline.stalled_readers = lambda: self._direct.app.stalled
 
     async def __del__(self) -> None:
         """Serve awaits this at a graceful shutdown (an ingress's `__del__` may be async): the
@@ -332,7 +336,10 @@ class Ingress:
         if finding:  # the first requests already take the side channels
             await self._find_channels(finding)
             self._channel_task = asyncio.create_task(self._find_channels_forever(finding))
-        self.pipeline.ready = True
+        self.readiness.set()
+
+    def _stalled_readers(self) -> int:
+        return self._direct.app.stalled if getattr(self, "_direct", None) is not None else 0
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.pipeline)
+        return build_api(self.pipeline, self._stalled_readers)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,7 +20,9 @@ from ingress.protocol import ChatCompletionRequest, CompletionRequest
 log = logging.getLogger(__name__)
 
 
-def build_api(pipeline: Pipeline) -> FastAPI:
+def build_api(pipeline: Pipeline, stalled_readers: Callable[[], int] = lambda: 0) -> FastAPI:
+    """The OpenAI-shaped HTTP API over `pipeline`; `stalled_readers` counts responses the direct
+    listener cut for a reader that stopped reading (/health)."""
     app = FastAPI(title="latency-serve", version="0.1.0", docs_url=None, redoc_url=None)
 
     @app.post("/v1/chat/completions")
@@ -32,7 +35,7 @@ def build_api(pipeline: Pipeline) -> FastAPI:
 
     @app.post("/v1/embeddings")
     async def create_embeddings(request: Request) -> Response:
-        return await pipeline.embeddings(request)
+        return await pipeline.create_embeddings(request)
 
     @app.delete("/v1/cache")
     async def invalidate_cache(request: Request) -> Response:
@@ -42,8 +45,7 @@ def build_api(pipeline: Pipeline) -> FastAPI:
     async def models(request: Request) -> Response:
         try:
             pipeline.authorize(request)
-            if not pipeline.ready:
-                await pipeline.wait_ready()
+            await pipeline.wait_ready()
         except APIError as err:
             return err.response()
         return JSONResponse(pipeline.models())
@@ -51,13 +53,13 @@ def build_api(pipeline: Pipeline) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         return JSONResponse(
-            status_code=200 if pipeline.ready else 503,
+            status_code=200 if pipeline.readiness.ready else 503,
             content={
-                "status": "ok" if pipeline.ready else "warming",
+                "status": "ok" if pipeline.readiness.ready else "warming",
                 "admission": pipeline.admission.snapshot(),
-                "router": pipeline.router_stats(),
-                "cache": {"lookup_failures": pipeline.cache_failures},
-                "stalled_readers_cut": pipeline.stalled_readers(),
+                "router": pipeline.placement.stats(),
+                "cache": {"lookup_failures": pipeline.cache.failures},
+                "stalled_readers_cut": stalled_readers(),
             },
         )
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -44,32 +44,26 @@ def clones(p: Prepared, n: int) -> list[Prepared]:
     return out
 
 
-async def serve_choices(p: Prepared, n: int, serve: Callable[[Prepared], Awaitable[Response]], at_once: int) -> Response:
-    """Serve `p` as n choices with `serve` (the pipeline's spine), at most `at_once` generating
-    at a time (this ingress's admission slots: more would only fill its queue). A stream needs
-    all its choices running together, so it may ask for no more than that."""
-    at_once = max(1, at_once)
-    if p.stream and n > at_once:
+def split(p: Prepared, n: int, at_once: int) -> list[Prepared]:
+    """`p` as n requests of its own. A stream needs all its choices running together, so it may
+    ask for no more than `at_once` (this ingress's admission slots); a 400 past them."""
+    if p.stream and n > max(1, at_once):
         raise bad_request(
             f"n: a stream of {n} choices needs {n} generations at once and this service runs {at_once}; "
             f"ask for fewer, or for stream: false (its choices then take turns)", "n",
         )
-    slots = asyncio.Semaphore(at_once)
+    return clones(p, n)
 
-    async def one(copy: Prepared) -> Response:
-        if p.stream:
-            return await serve(copy)
-        async with slots:
-            return await serve(copy)
 
-    copies = clones(p, n)
-    tasks = [asyncio.ensure_future(one(c)) for c in copies]
-    try:
-        responses = list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
+def turns(p: Prepared, at_once: int) -> asyncio.Semaphore | None:
+    """Non-streamed choices take turns for at most `at_once` slots (more would only fill this
+    ingress's queue); a stream's choices all run at once (None)."""
+    return None if p.stream else asyncio.Semaphore(max(1, at_once))
+
+
+async def merge(p: Prepared, responses: list[Response]) -> Response:
+    """The n choices' responses as one: the first that failed, else their bodies joined (or
+    their streams interleaved)."""
     failed = next((r for r in responses if r.status_code != 200), None)
     if failed is not None:
         for r in responses:

@@ -8,13 +8,18 @@ tokenizer ids, which MiniLM does not read: a 400 that says to send text.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
 
-from ingress.errors import APIError, bad_request
+from admission.errors import AdmissionError
+from ingress.context import context_from_headers
+from ingress.errors import APIError, bad_request, from_admission
 
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 DIMENSIONS = 384  # its vectors' length
@@ -92,3 +97,54 @@ def response(vectors: np.ndarray, encoding: str, tokens: int) -> dict[str, Any]:
         "model": EMBEDDING_MODEL,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+class EmbeddingsService:
+    """POST /v1/embeddings on MiniLM: the caller's key and tenant rate limits as for a chat, the
+    vectors made on the embedder's own thread, so an embeddings job never queues in front of the
+    router's embedding of a chat request. The router's model on another thread where it runs in
+    this ingress; else one loaded on the first embeddings call."""
+
+    def __init__(self, args, keys, admission, preparer, embedder=None) -> None:
+        self.args = args
+        self.keys = keys
+        self.admission = admission
+        self.preparer = preparer
+        self.embedder = embedder
+        self._loading: asyncio.Future | None = None
+
+    async def handle(self, request) -> Response:
+        try:
+            ctx = context_from_headers(request.headers, self.keys.identify(request.headers))
+            self.admission.precheck_tenant(ctx)
+            body = await self.preparer.read_json(request)
+            limits = self.args.ingress.limits
+            req, texts = parse(body, limits.max_embedding_inputs, limits.max_embedding_tokens, DIMENSIONS)
+            embedder = await self._embedder()
+            counts = await embedder.count_tokens_async(texts)
+            check_lengths(counts, limits.max_embedding_tokens)
+            self.admission.charge_tenant(ctx, sum(counts))
+            parts = []
+            for start in range(0, len(texts), CHUNK):  # a client that left stops its job here
+                if start and await request.is_disconnected():
+                    return Response(status_code=499)
+                parts.append(await embedder.embed_many_async(texts[start:start + CHUNK]))
+            return await asyncio.get_running_loop().run_in_executor(None, lambda: JSONResponse(
+                response(np.concatenate(parts), req.encoding_format, sum(counts))
+            ))
+        except (APIError, AdmissionError) as raised:
+            return (from_admission(raised) if isinstance(raised, AdmissionError) else raised).response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+    async def _embedder(self):
+        if self._loading is None and self.embedder is not None:
+            self._loading = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self.embedder.sibling))
+        if self._loading is None:
+            from semantic_cache.embedder import Embedder as Loaded
+
+            semantic = self.args.cache.semantic
+            self._loading = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
+                None, lambda: Loaded(precision=semantic.embed_precision, runtime=semantic.embed_runtime)
+            ))
+        return await asyncio.shield(self._loading)

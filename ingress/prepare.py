@@ -466,3 +466,13 @@ def _too_complex(param: str, budget: float) -> APIError:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def reshaped(p: Prepared) -> bool:
+    """The tier clamped max_tokens or trimmed the conversation: the answer is not the one the
+    request's cache key names, so it is neither cached nor shared with identical requests."""
+    return "x-max-tokens-clamped" in p.notes or "x-context-trimmed" in p.notes
+
+
+def response_id(p: Prepared) -> str:
+    return ("chatcmpl-" if p.kind == "chat" else "cmpl-") + p.ctx.request_id

@@ -11,7 +11,7 @@ from configs.schemas import CacheConfig, VectorStoreConfig
 from engines.types import GenerateChunk
 from ingress.coalescing import Flights
 from ingress.context import context_from_headers
-from ingress.pipeline import _pieces
+from ingress.respond import _pieces
 from semantic_cache.cache import CacheEntry, ResponseCache
 from semantic_cache.evalset import eval_pairs
 from semantic_cache.exact import CachedResponse

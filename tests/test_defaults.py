@@ -53,7 +53,7 @@ def test_a_request_during_warm_up_waits_for_it_or_is_told_so(serve_file, tokeniz
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(pipeline)), base_url="http://app") as http:
-            pipeline.ready = False
+            pipeline.readiness.set(False)
             told = await http.post("/v1/chat/completions", json=body)
             assert told.status_code == 503 and told.json()["error"]["code"] == "warming_up", told.text
             assert told.headers["retry-after"]
@@ -63,13 +63,13 @@ def test_a_request_during_warm_up_waits_for_it_or_is_told_so(serve_file, tokeniz
 
             async def warm_soon():
                 await asyncio.sleep(0.1)
-                pipeline.ready = True
+                pipeline.readiness.set(True)
 
             warming = asyncio.ensure_future(warm_soon())
             waited = await http.post("/v1/chat/completions", json=body)
             await warming
             assert waited.status_code == 200, waited.text
-            pipeline.ready = False
+            pipeline.readiness.set(False)
             warming = asyncio.ensure_future(warm_soon())
             listed = await http.get("/v1/models")
             await warming

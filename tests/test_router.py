@@ -140,8 +140,8 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
         pipeline.preparer.tokenize(p)
         if p.cache_key is None or p.ctx.no_cache:
             p.lookup_done.set()
-            return None, await pipeline._route(p), p
-        found, decision = await asyncio.gather(pipeline._lookup(p), pipeline._route(p))
+            return None, await pipeline.placement.route(p), p
+        found, decision = await asyncio.gather(pipeline.cache.lookup(p, 5.0), pipeline.placement.route(p))
         return found, decision, p
 
     found, decision, p = asyncio.run(both("What is the capital of Kenya?", {}))
@@ -189,7 +189,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
         start = time.perf_counter()
         with pytest.raises(AdmissionError) as shed:
-            await pipeline._serve(p)
+            await pipeline.serve(p)
         return shed.value, time.perf_counter() - start
 
     err, took = asyncio.run(serve())
@@ -212,7 +212,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         routing = make_routing(p)
         await asyncio.sleep(0)  # a real router starts its embedding
         start = time.perf_counter()
-        forced = await pipeline._await_verdict(p, routing, tickets)
+        forced = await pipeline.placement.await_verdict(p, routing, tickets)
         took = time.perf_counter() - start
         routing.cancel()
         return forced, took, p
@@ -246,9 +246,9 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         # is slow; after verdict_wait_ms the request commits to the large model, the router's
         # safe choice, and admission takes it from there.
         slow = _SlowEmbedder(embedder, 1.0)
-        pipeline.embedder = slow
-        forced, took, p = await verdict(lambda p: asyncio.ensure_future(pipeline._route(p)), {"cache-control": "no-cache"}, 8)
-        permit, decision = await pipeline._admit(p, forced)
+        pipeline.placement.embedder = slow
+        forced, took, p = await verdict(lambda p: asyncio.ensure_future(pipeline.placement.route(p)), {"cache-control": "no-cache"}, 8)
+        permit, decision = await pipeline.placement.admit(p, forced)
         permit.release()
         return forced, decision, took, slow.calls
 
@@ -265,7 +265,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     other.finish_at = time.monotonic() + 0.2
     forced, decision, took, calls = asyncio.run(late_router_served())
     assert (decision.model_id, decision.reason) == (small, "busy_box_downgrade")
-    pipeline.choice.busy_from = None  # the busy box off: admitted where the router committed
+    pipeline.placement.choice.busy_from = None  # the busy box off: admitted where the router committed
     other.finish_at = time.monotonic() + 0.2
     forced, decision, took, calls = asyncio.run(late_router_served())
     assert (decision.model_id, decision.reason) == (large, "router_late")
@@ -309,7 +309,7 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
         assert len(p.prompt_ids) > 60
         ticket = pipeline.admission.ticket(large, ctx, tier, len(p.prompt_ids), 16)
         late = not pipeline.gate.in_time(ticket) and pipeline.gate.would_meet(ticket)
-        permit, decision = await pipeline._admit(p, RouteDecision(large, "classifier_hard"))
+        permit, decision = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard"))
         permit.release()
         return decision.model_id, decision.reason, late
 
@@ -340,7 +340,7 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
                 "max_tokens": 16, "temperature": 0}
         p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
         pipeline.preparer.tokenize(p)
-        permit, decision = await pipeline._admit(p, RouteDecision(small, "classifier_easy"))
+        permit, decision = await pipeline.placement.admit(p, RouteDecision(small, "classifier_easy"))
         permit.release()
         return decision.model_id, decision.reason, p.notes.get("x-admission", "")
 
@@ -399,7 +399,7 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
         pipeline.preparer.tokenize(p)
 
         async def go():
-            permit, decision = await asyncio.wait_for(pipeline._admit(p, RouteDecision(model if model != "auto" else large,
+            permit, decision = await asyncio.wait_for(pipeline.placement.admit(p, RouteDecision(model if model != "auto" else large,
                                                                                         "classifier_hard")), 5)
             permit.release()
             return decision.model_id, decision.reason, p.notes.get("x-admission", "")
@@ -416,8 +416,8 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
     assert (model, reason) == (small, "busy_box_downgrade") and note.startswith("downgraded")
     # The router judges difficulty; live load moves a borderline verdict here, in FIFO mode too.
     loaded = pipeline_with(0)
-    loaded.load.started(large)
-    loaded.load.started(large)  # the large model at its pressure capacity, the small one idle
+    loaded.placement.load.started(large)
+    loaded.placement.load.started(large)  # the large model at its pressure capacity, the small one idle
 
     def admit_judged(pipeline: Pipeline, p_hard: float, mode: str):
         ctx = context_from_headers({})
@@ -426,7 +426,7 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
         pipeline.preparer.tokenize(p)
 
         async def go():
-            permit, decision = await pipeline._admit(p, RouteDecision(large, "classifier_hard", p_hard, 0.5))
+            permit, decision = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard", p_hard, 0.5))
             permit.release()
             return decision.model_id, decision.reason
         return asyncio.run(go())
@@ -476,7 +476,7 @@ def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats
                                                "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
                                       "predictive")
         pipeline.preparer.tokenize(p)
-        permit, decision = await asyncio.wait_for(pipeline._admit(p, RouteDecision(small, "classifier_easy")), 5)
+        permit, decision = await asyncio.wait_for(pipeline.placement.admit(p, RouteDecision(small, "classifier_easy")), 5)
         permit.release()
         return decision.model_id, decision.reason
 

@@ -711,10 +711,10 @@ def test_health_says_warming_until_every_stage_answers(serve_file):
 
     pipeline = Pipeline(serve_file.args, backends=None, prompts={})
     client = TestClient(build_api(pipeline))
-    pipeline.ready = False
+    pipeline.readiness.set(False)
     warming = client.get("/health")
     assert warming.status_code == 503 and warming.json()["status"] == "warming"
-    pipeline.ready = True
+    pipeline.readiness.set(True)
     assert client.get("/health").json()["status"] == "ok"
     assert client.get("/v1/nope").json()["error"]["code"] == "not_found"
 
@@ -727,12 +727,12 @@ def test_idle_overlap_starts_the_model_beside_the_lookup_only_while_nothing_runs
     for mode, idle_answer in ((False, False), (True, True), ("idle", True)):
         args.ingress.overlap_cache_lookup = mode
         pipeline = Pipeline(args, backends=None, prompts={})
-        assert pipeline._overlap_lookup() is idle_answer, mode
+        assert pipeline.placement.overlap_lookup() is idle_answer, mode
         pipeline.gate.others_inflight = {target: 1}  # another ingress's request, as last synced
-        assert pipeline._overlap_lookup() is (mode is True), mode
+        assert pipeline.placement.overlap_lookup() is (mode is True), mode
         pipeline.gate.others_inflight = {}
-        pipeline.load.started(target)  # this ingress's own, before the gate's sync saw it
-        assert pipeline._overlap_lookup() is (mode is True), mode
+        pipeline.placement.load.started(target)  # this ingress's own, before the gate's sync saw it
+        assert pipeline.placement.overlap_lookup() is (mode is True), mode
 
 
 def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
@@ -744,7 +744,7 @@ def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
     args = serve_file.args.model_copy(deep=True)
     target, small = args.target.engine.model_id, args.draft.engine.model_id
     pipeline = Pipeline(args, backends=None, prompts={})
-    assert pipeline._hint_models == {target}  # the small model does not speculate
+    assert pipeline.cache.hint_models == {target}  # the small model does not speculate
 
     class Tokenizer:
         def encode(self, text, add_special_tokens):
@@ -756,10 +756,10 @@ def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
     hint = Lookup("hint", CachedResponse("fifteen percent is 45", "stop", 5, 4, target), 0.8)
     p = Prepared.__new__(Prepared)
     p.cache_state, p.notes = "miss", {}
-    assert pipeline._hint_ids(p, small, Builder(), hint) is None and p.cache_state == "miss"
-    assert pipeline._hint_ids(p, target, Builder(), hint) == [7, 7, 2, 2] and p.cache_state == "hint"
+    assert pipeline.cache.hint_ids(p, small, Builder(), hint) is None and p.cache_state == "miss"
+    assert pipeline.cache.hint_ids(p, target, Builder(), hint) == [7, 7, 2, 2] and p.cache_state == "hint"
     verify = Lookup("hint", hint.response, 0.93, "verify")  # semantic.mode verify: a match checked as a draft
-    assert pipeline._hint_ids(p, target, Builder(), verify) and p.cache_state == "verified"
+    assert pipeline.cache.hint_ids(p, target, Builder(), verify) and p.cache_state == "verified"
     assert p.notes["x-cache-match"] == "verify;score=0.930"
 
 
@@ -880,7 +880,7 @@ def test_a_model_call_refused_at_a_full_serve_queue_is_a_503_with_retry_after_no
     from ray.serve.exceptions import BackPressureError
 
     from deployments.ingress import ServeModelStream
-    from ingress.pipeline import Pipeline
+    from ingress.model_calls import ModelCalls
 
     class Refused:
         cancelled = 0
@@ -892,10 +892,11 @@ def test_a_model_call_refused_at_a_full_serve_queue_is_a_503_with_retry_after_no
             Refused.cancelled += 1
             raise BackPressureError(num_queued_requests=64, max_queued_requests=64)
 
-    pipeline = SimpleNamespace(args=SimpleNamespace(ingress=SimpleNamespace(request_timeout_s=5.0)), _why=str)
+    args = SimpleNamespace(ingress=SimpleNamespace(request_timeout_s=5.0, log_prompts=False))
+    calls = ModelCalls(args, backends=None, load=None, metrics=None)  # type: ignore[arg-type]
     p = SimpleNamespace(ctx=SimpleNamespace(remaining_s=lambda cap: cap), model="smollm2-135m-instruct")
     with pytest.raises(APIError) as err:
-        asyncio.run(Pipeline._next(pipeline, ServeModelStream(Refused(), p.model), p))
+        asyncio.run(calls.next(ServeModelStream(Refused(), p.model), p))
     assert err.value.status == 503 and err.value.code == "model_queue_full"
     assert err.value.headers["Retry-After"] == "1" and err.value.extra["model"] == p.model
     assert Refused.cancelled == 1

@@ -1,0 +1,122 @@
+"""The semantic cache as one request's ingress sees it: a repeat this replica answered lately
+(L1, no hop), the lookup hop to the SemanticCache (L2: exact key, then the embedding and the
+Qdrant search), a near miss's answer as draft tokens, and the write and verification label
+after a complete answer, off the request path. A cache failure is a miss, never an error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from configs.schemas import AppArgs
+from engines.types import GenerateChunk
+from host_tuning.lookup_window import LookupWindow
+from ingress.errors import describe
+from ingress.prepare import Prepared, reshaped
+from ingress.prompts import PromptBuilder
+from semantic_cache.cache import CacheEntry, Lookup
+from semantic_cache.exact import CachedResponse, ExactCache
+
+log = logging.getLogger(__name__)
+
+
+class CacheClient:
+    def __init__(self, args: AppArgs, backends, hint_models: set[str]) -> None:
+        self.args = args
+        self.backends = backends
+        self.hint_models = hint_models  # models whose replicas draft from a near miss's answer
+        # Host tuning: a model call started beside the lookup leaves the lookup a core.
+        self.lookup_window = LookupWindow(args.host_tuning.window)
+        # L1: exact answers this replica served or wrote recently, so a repeat costs no hop.
+        # The SemanticCache deployment stays the shared source of truth (L2).
+        near = args.cache.model_copy(update={"max_entries": max(1, args.cache.near_entries), "ttl_s": args.cache.near_ttl_s})
+        self.near_cache = ExactCache(near) if args.cache.near_entries > 0 else None
+        self.failures = 0  # lookups that failed or timed out and were served as misses
+
+    def repeat(self, p: Prepared) -> Lookup | None:
+        """A repeat this replica answered lately: no tokenizer, no admission slot, no hop."""
+        if p.cache_key is None or p.ctx.no_cache or self.near_cache is None:
+            return None
+        near = self.near_cache.get(p.cache_key)
+        return None if near is None else Lookup("hit", near, 1.0, "exact_near")
+
+    async def lookup(self, p: Prepared, timeout_s: float) -> Lookup:
+        """One hop: the SemanticCache checks the exact key and, on a miss, embeds the query and
+        searches its scope. The embedding comes back with the answer, for the router and the
+        write: one hop where two would each cost a round trip."""
+        t = time.perf_counter()
+        scope = p.scope if self.args.cache.semantic.enabled else None
+        try:
+            found = await asyncio.wait_for(self.backends.cache_lookup(p.cache_key, scope, p.query), timeout_s)
+            if found.vector is not None:
+                p.vector = found.vector
+            self.lookup_window.learn(found.timings_ms)
+            p.clock.details_within(t, time.perf_counter(), [(f"lookup.{k}", ms) for k, ms in found.timings_ms.items()])
+            if found.outcome == "hit" and found.response is not None:
+                self._remember(p, found.response)  # the next identical request skips the hop
+            return found
+        except Exception as exc:  # a cache failure is a miss, never an error
+            self.failures += 1
+            log.warning("cache lookup failed, treating as a miss: %s", self._why(exc))
+            return Lookup("miss", reason="cache_unavailable")
+        finally:
+            p.lookup_done.set()  # a router waiting for the embedding goes on (with it or without)
+            p.clock.detail("lookup.cache", t)
+
+    def hint_ids(self, p: Prepared, model_id: str, builder: PromptBuilder, hint: Lookup) -> list[int] | None:
+        """A near miss's answer as draft tokens for `model_id`, or None where that model can't
+        draft from it (no speculation, hints off, vLLM): then it costs no encode and no hop."""
+        if hint.response is None or model_id not in self.hint_models:
+            return None
+        p.cache_state = "verified" if hint.reason == "verify" else "hint"
+        p.notes["x-cache-match"] = f"{hint.reason};score={hint.score or 0:.3f}"
+        if p.cache_state == "verified":
+            p.verifying = hint
+        return builder.tokenizer.encode(hint.response.text, add_special_tokens=False)
+
+    def store(self, p: Prepared, model_id: str, text: str, last: GenerateChunk) -> None:
+        """After a complete answer: the verification label of a semantic match, and the write."""
+        if p.verifying is not None and p.verifying.response is not None and last.finish_reason in ("stop", "length"):
+            # A label for semantic.mode bounded: did the model give the cached answer, exactly?
+            cached = p.verifying.response
+            correct = text == cached.text and last.finish_reason == cached.finish_reason
+            try:
+                self.backends.cache_verified(p.scope or "", p.verifying.entry_key, p.verifying.score or 0.0, correct)
+            except Exception as exc:
+                log.warning("cache feedback failed: %s", self._why(exc))
+        if (
+            p.cache_key is None or p.ctx.no_store or p.coalesced or last.finish_reason not in ("stop", "length")
+            or reshaped(p)
+        ):
+            return
+        value = CachedResponse(text, last.finish_reason, last.prompt_tokens, last.completion_tokens, model_id)
+        vector = p.vector if p.vector is not None and p.scope is not None else None
+        entry = CacheEntry(p.cache_key, p.ctx.tenant, p.scope if vector is not None else None, p.query, vector, value,
+                           shard=p.scope or p.cache_key)
+        self._remember(p, value)
+        try:
+            self.backends.cache_store(entry)
+        except Exception as exc:
+            log.warning("cache write failed: %s", self._why(exc))
+
+    async def invalidate(self, tenant: str) -> int:
+        """Drop one tenant's answers here and in the SemanticCache; how many it dropped."""
+        if self.near_cache is not None:
+            self.near_cache.invalidate(tenant)
+        return await asyncio.wait_for(self.backends.cache_invalidate(tenant), self.args.ingress.stage_timeout_s)
+
+    def forget_tenants(self, tenants: list[str | None]) -> None:
+        """Invalidations made through another ingress replica: the near cache drops them too
+        (None: everything)."""
+        if self.near_cache is not None:
+            for tenant in tenants:
+                self.near_cache.invalidate(tenant)
+
+    def _remember(self, p: Prepared, response: CachedResponse) -> None:
+        if self.near_cache is not None and p.cache_key is not None:
+            self.near_cache.put(p.cache_key, p.ctx.tenant, response)
+
+    def _why(self, exc: BaseException) -> Any:
+        return describe(exc, with_message=self.args.ingress.log_prompts)
