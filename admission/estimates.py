@@ -118,7 +118,7 @@ class ModelEstimates:
     itl: ByConcurrency = field(default_factory=ByConcurrency)
     # Time between a request's chunks: one engine step (a batched decode step, or a speculative
     # round of several tokens). A new request's prefill waits for the step in progress, which
-    # for a lone speculating request is ~5-9 ITLs long.
+    # for a lone speculating request is several ITLs long.
     step: ByConcurrency = field(default_factory=ByConcurrency)
     max_age_s: float = MAX_AGE_S
     half_life_s: float = STALE_HALF_LIFE_S

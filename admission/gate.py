@@ -33,9 +33,9 @@ next TTFT predictions of its model (`bias`, within 0.5-3x). A TTFT target is a t
 leaves half the misses in place: the first token must also arrive in time when it comes as many
 ms late, against its scaled prediction, as the recent 95th percentile did (`ttft_tail_ms`).
 
-Concurrency counts every model's running requests: on one box the models share the cores
-(in the service on 2 CPU cores, the target's ITL with two requests in flight, on either model,
-measured ~3x its ITL alone), so each model's ITL is learned against the total.
+Concurrency counts every model's running requests: on one box the models share the cores (a
+request on either model slows the other's steps), so each model's ITL is learned against the
+total.
 """
 
 from __future__ import annotations
@@ -55,20 +55,17 @@ INF = float("inf")
 # A request is queued only if it is predicted to make its deadline with this much to spare;
 # otherwise it is shed at once. A queued request that is dropped later has waited for nothing.
 QUEUE_HEADROOM = 1.25
-# Measured / predicted time to first token, learned from every admitted request, scales the
+# Observed / predicted time to first token, learned from every admitted request, scales the
 # TTFT predictions within these bounds: the estimates are per concurrency level and miss what
-# else loads the box (bench load measured 1.6x at p50 at 4x capacity on 2 cores), or count a
-# wait that did not come (0.3-0.6x at 12 clients). Right at the median; the tail is
+# else loads the box, or count a wait that did not come. Right at the median; the tail is
 # `ttft_tail_ms`'s.
 TTFT_BIAS_BOUNDS = (0.5, 3.0)
 # The spare a first token needs against its TTFT target: a high quantile (`ttft_tail_quantile`,
 # 0.95) of how late first tokens came against their (scaled) predictions, in ms, over the first
-# tokens of the last 30 s (64 at most, from 10 on). Lateness is added, not multiplied: bench load
-# measured measured/predicted at 0.94 at p50 but 2.4 at p95, the large ratios on short
-# predictions (100 ms predicted, 240 ms measured); as a factor on every prediction it turned
-# away 15% of the requests at 1x capacity, predicted at 750 ms, while the admitted ones' TTFT
-# p99 was 530 ms against a 1 s target. Counted without an age limit, the lateness of a busy
-# spell (the warm-up's) shed 43% of the requests at half capacity minutes later.
+# tokens of the last 30 s (64 at most, from 10 on). Lateness is added, not multiplied: the
+# large ratios come on short predictions, and as a factor on every prediction they turned away
+# long requests that would have made their targets. Counted without an age limit, the lateness
+# of a busy spell (the warm-up's) would shed requests at light load minutes later.
 TTFT_TAIL_WINDOW = 64
 TTFT_TAIL_MAX_AGE_S = 30.0
 TTFT_TAIL_MIN_SAMPLES = 10
@@ -231,9 +228,9 @@ class AdmissionGate:
         # decode step, or a lone request's whole speculative round.
         step = est.step_ms(concurrency - 1) if concurrency > 1 and not self._idle(t.model_id) else 0.0
         # The first token is calibrated (`bias`, and the tail margin in `_first_in_time`); the
-        # decode after it is not, so it alone carries `safety`: with it on both, the first
-        # token ran 15-25% early at the median, and without it on decode, 7.5% of admitted
-        # requests at 2x finished past their deadline (bench load).
+        # decode after it is not, so it alone carries `safety`: on both, first tokens would come
+        # early at the median; on neither, admitted requests under overload would finish past
+        # their deadlines.
         first = (est.prefill_ms(t.prompt_tokens, concurrency) + step) * self.bias(t.model_id)
         return first, first + est.expected_tokens(t.max_tokens) * itl * self.safety
 
@@ -268,12 +265,11 @@ class AdmissionGate:
         """How long until the prompts admitted to `model_id` but not yet through prefill are
         done: its engine runs them before a new one. Each one's predicted first token already
         counts the prefills that were ahead of it, so the latest of them is the wait (a sum
-        counted every earlier prefill again for each later one: at 12 clients it predicted a
-        47 s first token for requests that got theirs in 2-3 s). One past its predicted first
-        token is still in the engine: expect it to run as late again as it already is (at most
-        its own predicted time again), not to end now. Counted as ending now, a long RAG prefill
-        running late let newcomers in that then waited 0.8-1.1 s in the engine queue and missed
-        their 1 s TTFT (bench load, 1x)."""
+        counted every earlier prefill again for each later one, predicting first tokens many
+        times later than they came). One past its predicted first token is still in the engine:
+        expect it to run as late again as it already is (at most its own predicted time again),
+        not to end now. Counted as ending now, a long RAG prefill running late lets newcomers in
+        that then wait behind it in the engine queue and miss their TTFT."""
         ahead = 0.0
         for r in self.running:
             if r.prefilled or r.model_id != model_id:
@@ -371,7 +367,7 @@ class AdmissionGate:
         answer than expected (output length is a guess): expect it to overrun as long again as
         it already has, though no longer than its max_tokens allow. Expecting it to end `now`
         queued TTFT-tier requests behind it that then passed their latest start and were
-        dropped after 0.5-1 s of waiting, where a shed at arrival takes milliseconds."""
+        dropped after a long wait, where a shed at arrival takes milliseconds."""
         if r.finish_at >= now:
             return r.finish_at
         longest = r.first_at + r.max_tokens * self.estimates[r.model_id].itl_ms(r.concurrency_at_start) / 1000

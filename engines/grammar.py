@@ -1,9 +1,9 @@
 """Structured output: a grammar (a JSON schema, any JSON, a regex, a choice, a tool-call format)
 that masks every logits row a request chooses from, on xgrammar.
 
-xgrammar (what vLLM and SGLang use) was picked over llguidance on this box: both mask a
-49k-token vocabulary in ~0.2 ms a token in steady state, but llguidance's first mask of a new
-grammar took seconds, and xgrammar ships the tool-call formats (structural tags) the ingress
+xgrammar (what vLLM and SGLang use) was picked over llguidance: both mask a 49k-token
+vocabulary cheaply in steady state, but llguidance's first mask of a new grammar takes far
+longer, and xgrammar ships the tool-call formats (structural tags) the ingress
 renders tools with. docs/api.md has the measured cost per token.
 
 A request's `GrammarState` follows its emitted tokens. Speculation stays lossless: row i of a

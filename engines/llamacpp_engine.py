@@ -1,12 +1,13 @@
 """llama.cpp engine over the GGUF file itself (llama-cpp-python's bindings to llama.cpp's C API).
 
 The shipped fp32 target *is* the dequantized Q4_1 GGUF, so llama.cpp computes nearly the same
-function ~5x faster on this CPU: the ideal draft, and a fast small-model engine.
+function on its quantized kernels, several times faster: the ideal draft, and a fast small-model
+engine.
 
 One llama.cpp context holds every sequence's KV cache, each in its own slot (a sequence id with
 its own stream of cells), so the decode steps of several requests run as one batch
-(`decode_batch`): the weights are read once per step for all of them (2 threads here: 121 tok/s
-for one sequence, 170 for four, 231 for eight on Q4_1). A sequence binds to a slot when it runs;
+(`decode_batch`): the weights are read once per step for all of them, so tokens/s grows with
+the sequences in a step. A sequence binds to a slot when it runs;
 if another sequence took that slot meanwhile, it re-evaluates its tokens (always correct, only
 slower). A released slot keeps its KV, so a new sequence that shares a prefix with it skips that
 part of the prefill. `score` evaluates a run of tokens in one pass with logits at each, which
@@ -15,12 +16,11 @@ verifying a draft needs.
 Running sequences are kept in the lowest slots, with no gaps (`_pack`): llama.cpp evaluates a
 batch in one pass only over consecutive sequence ids, each run of them reading the weights
 again. A stream per slot means a pass attends to its own sequences' cells only; in one shared
-pool every pass attended over (and masked) every slot's cells: with 16 slots of 500 tokens, a
-150-token prefill took 398 ms instead of 250, a step of 8 sequences 61 ms instead of 47
-(F32, 2 cores).
+pool every pass would attend over (and mask) every slot's cells, and prefills and steps slow
+down with every slot's length.
 
-llama.cpp has no batched x86 kernels for Q4_1, so a long run of tokens evaluates ~2x slower per
-token than in Q8_0, whose single-token decode is in turn ~20% slower. With `prefill_quant`, runs
+llama.cpp has no batched x86 kernels for Q4_1, so a long run of tokens evaluates slower per
+token than in Q8_0, whose single-token decode is in turn slower than Q4_1's. With `prefill_quant`, runs
 of PREFILL_MIN_TOKENS or more go to one extra context on a requantized copy of the same weights;
 its KV is then copied into the sequence's slot, which decodes on as before.
 """
@@ -77,8 +77,8 @@ class _Context:
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_seq_max = n_seq
         # A stream of cells per sequence (see the module docstring): a micro-batch holds only
-        # consecutive sequence ids (4 sequences in slots 1, 5, 9, 13 took 93 ms a step, in 0-3
-        # 34 ms), so the engine keeps running sequences in consecutive slots.
+        # consecutive sequence ids (scattered slots cost a pass each), so the engine keeps
+        # running sequences in consecutive slots.
         params.kv_unified = False
         params.n_threads = params.n_threads_batch = threads
         self.ctx = lib.llama_init_from_model(model, params)
@@ -197,7 +197,7 @@ class LlamaCppEngine(Engine):
             self._models.append(_load_model(quant, repack))
             # As many streams as the decoding context: llama.cpp moves a sequence's KV only
             # between contexts of the same stream count. Only its first is used; the others
-            # cost their KV memory (cpu-exact's draft: ~140 MB more at 4 sequences).
+            # cost their KV memory.
             self._prefill = _Context(self._models[1], self.max_sequences, config.max_model_len, config.num_threads)
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
@@ -363,7 +363,7 @@ class LlamaCppEngine(Engine):
         """The lowest free slot, so that running sequences stay consecutive: it takes over the
         longest prefix of the prompt that another slot holds (`_copy_prefix` in `_bind`). The KV
         it kept for reuse, where the prompt would overwrite it, moves to the free slot that is
-        empty or least recently used, if that one is older (~2 ms): a tenant's next turn or
+        empty or least recently used, if that one is older (a copy, far cheaper than a prefill): a tenant's next turn or
         prompt finds it there. With every slot running, the one sharing the longest prefix,
         then the least recently used."""
         free = [i for i, owner in enumerate(self._owner) if owner is None]
@@ -383,7 +383,7 @@ class LlamaCppEngine(Engine):
 
     def _pack(self, freed: int) -> None:
         """A slot below a running sequence fell free: the highest running sequence moves into
-        it (~2 ms for 400 tokens), so the running ones stay consecutive. The freed slot's own
+        it (a KV copy), so the running ones stay consecutive. The freed slot's own
         KV is lost for reuse; the moved sequence's stays behind in its old slot for it."""
         high = max((i for i, owner in enumerate(self._owner) if owner is not None), default=-1)
         if high <= freed:

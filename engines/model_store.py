@@ -1,7 +1,7 @@
 """Resolve a model source to a local HF-format directory, converting GGUF once.
 
-transformers dequantizes GGUF on every load (~13 s for SmolLM2 here). The first replica to
-start converts it to safetensors under a cache dir; every later start loads that in ~1 s.
+transformers dequantizes GGUF on every load, slowly. The first replica to start converts it
+to safetensors under a cache dir; every later start loads that, much faster.
 A file lock makes concurrent replicas wait for one conversion instead of racing.
 """
 
@@ -90,8 +90,7 @@ _GGUF_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "bf16": "LLAMA_FTYPE_MOSTLY_BF
 
 
 def requantized_gguf(gguf_path: Path, quant: str, cache_dir: str | None = None) -> Path:
-    """A copy of a GGUF file requantized to `quant` (llama.cpp's own quantizer, ~2 s for
-    SmolLM2), made once under the cache dir; concurrent replicas wait on a file lock."""
+    """A copy of a GGUF file requantized to `quant` (llama.cpp's own quantizer), made once under the cache dir; concurrent replicas wait on a file lock."""
     import ctypes
 
     import llama_cpp

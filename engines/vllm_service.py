@@ -41,8 +41,8 @@ def resolve_dtype(dtype: str, on_cpu: bool, flags: frozenset[str] | None = None)
 
     vLLM's own auto picks bfloat16 on every x86 CPU. Without AMX or AVX512-BF16 that runs
     converted in software, and on an AVX2 box SmolLM2's greedy answers drifted from float32's
-    ("capital of France" no longer said Paris). Where it is native, bfloat16 decodes ~1.9x faster
-    than float32 here (16 streams: 419 against 222 tokens/s) and answered the same. On a GPU
+    ("capital of France" no longer said Paris). Where it is native, bfloat16 decodes faster than
+    float32 and answered the same (docs/engines.md). On a GPU
     `auto` stays vLLM's (the checkpoint's bf16/fp16). `flags`: this CPU's unless given.
     """
     if dtype != "auto" or not on_cpu:

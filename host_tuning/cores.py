@@ -2,33 +2,32 @@
 
 A forward pass split over 2 threads waits at every layer for the slower thread. When another
 process runs on one of the 2 cores (the small model decoding, at the same niceness), one of our
-threads keeps losing its core for a scheduler slice and the other spins at the barrier: here the
-target's decode went from ~65 to ~310 ms/token and a ~50-token prefill from ~0.1 to 2-3 s. On one
-thread beside the busy small model it stayed at 65-95 ms/token and 120-230 ms. Alone, one thread
-decodes as fast as two (a decode step is bound by reading the weights) and prefills ~1.9x slower
-(prefill is compute).
+threads keeps losing its core for a scheduler slice and the other spins at the barrier: decode
+and prefill slow down several times over. On one thread beside the busy small model they stay
+close to their speed alone. Alone, one thread decodes nearly as fast as two where a decode step
+is bound by reading the weights, and prefills slower (prefill is compute).
 
 So each forward pass runs on all its threads only while the other processes on the box have
 used less than `BUSY_CORES` over the last ~150 ms; else on one. A decoding model uses a whole
-core, the idle service's own processes ~0.2 of one between them. Under load the ingress and
-proxy use ~0.3-0.6: a mark of 0.35 leaves them a core too (in `bench load`, shed p99 21-45 ms
-and no TTFT miss at 4x; with 0.6, 73-85 ms and two misses, their routing embedding slowed).
+core, the idle service's own processes a small part of one between them, the ingress and proxy
+more under load: the mark leaves them a core too, so that their routing embedding does not
+slow down and shed decisions stay fast (docs/small-cpu-tuning.md).
 
-The load is sampled off the request path, on a daemon thread (20 reads of /proc/stat a second,
-~0.2% of a core); the engine reads a number. Not `procs_running`: our own OpenMP and llama.cpp
-threads spin for a while after each pass, and counted as "others" they sent 40-70% of passes to
-one thread on an idle box. Where /proc/stat is missing (not Linux) the configured threads are
-always used. `ModelService.snapshot()` counts the passes by thread count.
+The load is sampled off the request path, on a daemon thread (20 reads of /proc/stat a second);
+the engine reads a number. Not `procs_running`: our own OpenMP and llama.cpp threads spin for a
+while after each pass, and counted as "others" they would send many passes to one thread on an
+idle box. Where /proc/stat is missing (not Linux) the configured threads are always used.
+`ModelService.snapshot()` counts the passes by thread count.
 
 Engines that take part in `PassLock` (llama.cpp's) do better than guess from that load: a
 pass runs on all its threads only alone, so two engines never put three threads on two cores.
 A long pass (a prompt's prefill, a catch-up, a long verification: `EXCLUSIVE_MIN_TOKENS` or
 more) waits for the passes under way and runs alone; the others wait for it. On one thread it
-would take ~1.9x as long, and that is a request's first token waiting. A short pass (a decode
-step) runs alone on all threads if no other engine is in a pass, else beside them on one
-(a decode step reads the weights: one thread is nearly as fast). Measured in situ with the
-load rule alone, the target's decode steps beside the small model's ran at ~130 ms instead of
-~60, and its prefills at half speed.
+would take longer, and that is a request's first token waiting. A short pass (a decode step)
+runs alone on all threads if no other engine is in a pass, else beside them on one (a decode
+step reads the weights: one thread is nearly as fast). With the load rule alone, the target's
+decode steps beside the small model's ran at about twice their time, and its prefills at half
+speed.
 """
 
 from __future__ import annotations

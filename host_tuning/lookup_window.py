@@ -3,11 +3,10 @@
 While the box is idle the ingress starts the model before its cache lookup comes back
 (`overlap_cache_lookup`), and the prefill keeps to one thread so that the lookup's work has
 the other core: the MiniLM embedding, and the Python around it in the cache replica and the
-ingress (~17 ms of CPU a miss in all, measured per thread). All of that runs at niceness 0
-against the prefill's 19, so whatever of it lands while the prefill runs on two threads stops
-one of them, and the other spins at the next barrier: in a probe, a 245-token prefill took
-~30 ms longer beside a lookup whose window ended with the embedding, and ~3 ms longer with
-the window held until the ingress had handled the lookup's answer.
+ingress. All of that runs at niceness 0 against the prefill's 19, so whatever of it lands
+while the prefill runs on two threads stops one of them, and the other spins at the next
+barrier: a window that ends with the embedding still leaves the Python after it contending;
+one held until the ingress has handled the lookup's answer leaves nearly nothing.
 
 Until when, then? The ingress can only send an estimate (recent lookups' embedding and search
 + a margin). So once it has handled the answer, the ingress writes the request's id into a
@@ -35,7 +34,7 @@ from typing import Protocol
 
 log = logging.getLogger(__name__)
 
-SLOTS = 512  # ids kept; a reader needs its id only for the ~20 ms of its window
+SLOTS = 512  # ids kept; a reader needs its id only for the short while of its window
 _ID_BYTES = 8
 
 
@@ -81,16 +80,16 @@ class LookupBoard:
         self._next = (self._next + 1) % SLOTS
 
     def watch(self, lookup: str) -> Callable[[], bool] | None:
-        """A check that says whether this lookup (an id from `lookup_id`) is over: ~1 us, one
-        scan of 4 KB in C. None without a board."""
+        """A check that says whether this lookup (an id from `lookup_id`) is over: one scan of
+        4 KB in C. None without a board."""
         if self._map is None or not lookup:
             return None
         board, needle = self._map, bytes.fromhex(lookup)
         return lambda: board.find(needle) != -1
 
 
-# Past the embedding's own time: a window that ends before it leaves the two contending (a
-# probe: +13.7 ms TTFT with the window 4 ms short, +5.5-6.4 with it 5-8 ms long).
+# Past the embedding's own time: a window that ends before it leaves the two contending, which
+# costs more TTFT than a window held a little too long.
 MARGIN_MS = 3.0
 # With the board ending the window, the ingress's estimate only stops a window whose signal
 # never comes: later than the estimate, so a slow lookup keeps its core.

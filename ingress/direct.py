@@ -2,8 +2,8 @@
 
 Through the proxy a request costs two extra process hops before our code runs: the proxy hands
 the request to the replica, and the replica then fetches the body back from the proxy with an
-actor call. On the 2-core reference box that was ~12 ms of an exact cache hit's ~14 ms p50
-(`python -m bench cache` measures both paths side by side). The same FastAPI app answers on
+actor call: on a small box, most of an exact cache hit's time (`python -m bench cache`
+measures both paths side by side). The same FastAPI app answers on
 both; the proxy's port keeps working for everything that expects Ray Serve's front door.
 
 Every ingress replica on a node binds the same port with SO_REUSEPORT, and the kernel spreads

@@ -81,7 +81,7 @@ class Prepared:
 
 
 # Prompts longer than this are tokenized (and trimmed) on a worker thread, not on the event
-# loop every request and /health share: tokenizing ~8k characters takes a few ms.
+# loop every request and /health share: a long prompt's tokenizing would hold that loop.
 INLINE_TOKENIZE_CHARS = 8192
 
 

@@ -6,9 +6,9 @@ with the write: computed once per request. The ingress embeds itself only for re
 skip the cache, when the classifier router needs a vector. Encoding runs on one dedicated
 thread: torch work stays off the event loop, and concurrent requests queue instead of
 fighting over the two cores. Where the CPU has native bf16 dot products the pass runs in
-bfloat16 (`precision`, measured at load: ~0.6x the time, cosine ≥ 0.9995 to float32). Where
-onnxruntime runs the same float32 pass faster than torch's pick (`runtime`, measured at load:
-0.59-0.65x on an AVX2-only EPYC), it runs there.
+bfloat16 (`precision`, timed at load: faster, and cosine ≥ 0.9995 to float32). Where
+onnxruntime runs the same float32 pass faster than torch's pick (`runtime`, timed at load:
+typically on AVX2-only CPUs), it runs there.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Embedder:
     ) -> None:
         # Every torch call, loading included, runs on this one thread: with num_threads > 1 a
         # second calling thread would get OpenMP's second thread team on the same cores, and
-        # every parallel region in the process ran ~3x slower here once two teams existed.
+        # every parallel region in the process runs several times slower once two teams exist.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
         self.precision = "modules"  # what single-text embeddings run in; set by _load
         self.bf16_check: dict[str, float | str] = {}  # bfloat16 against float32 at load: cosine, time ratio
@@ -102,8 +102,8 @@ class Embedder:
         if precision == "float32":
             return lean
         if precision == "auto" and _bf16_emulated():
-            # Nothing to measure: without AVX-512 bf16 is emulated (~18x float32's time on an
-            # AVX2-only EPYC), and building and timing that pass cost ~5 s of every load.
+            # Nothing to measure: without AVX-512 bf16 is emulated (many times float32's time),
+            # and building and timing that pass would cost seconds of every load.
             self.bf16_check = {"skipped": f"CPU capability {torch.backends.cpu.get_cpu_capability()}: bf16 emulated"}
             return lean
         try:
@@ -167,8 +167,8 @@ class Embedder:
         return self._executor.submit(self._embed_modules, text).result()
 
     def _embed_modules(self, text: str) -> np.ndarray:
-        """One text straight through sentence-transformers' modules: `encode` adds ~2 ms of
-        batching bookkeeping per call here, and the vector is the same (max difference ~1e-8)."""
+        """One text straight through sentence-transformers' modules: `encode` adds batching
+        bookkeeping per call, and the vector is the same."""
         import torch
 
         from semantic_cache.lean_bert import unit
@@ -238,6 +238,6 @@ def _time_ratio(candidate, baseline, text: str, rounds: int = 7) -> float:
             encoder.embed(text)
             times.append(time.perf_counter() - start)
         ratios.append(times[0] / max(times[1], 1e-9))
-        if len(ratios) == 2 and min(ratios) > 2:  # far slower (emulated bf16: ~18x): seconds of load saved
+        if len(ratios) == 2 and min(ratios) > 2:  # far slower (emulated bf16): seconds of load saved
             break
     return statistics.median(ratios)

@@ -1,21 +1,21 @@
 """A lean forward pass for one text through a BERT sentence encoder (MiniLM), same weights.
 
-Why: a request embeds one short text (~10-30 tokens), where the work is 24 small matrix
+Why: a request embeds one short text (tens of tokens), where the work is 24 small matrix
 products and everything else is overhead. Going through the transformers modules, and through
-`F.linear` (which multiplies by a transposed weight on every call), costs ~40% more here than
+`F.linear` (which multiplies by a transposed weight on every call), costs clearly more than
 products against weights transposed once at load time, with Q, K and V fused into one product.
 The vector is the same (cosine to sentence-transformers' ≥ 0.99999, checked at load by
 `Embedder`, which falls back to the module path if it ever is not).
 
 In bfloat16 (`dtype`), on a CPU with native bf16 dot products (AVX512-BF16, AMX), the pass takes
-~0.6x the float32 time and moves half the weight bytes (which matters beside a prefill that
+less time than float32 and moves half the weight bytes (which matters beside a prefill that
 fills the memory bus); the vector stays within cosine ≥ 0.9999 of the float32 one. `Embedder`
 picks it only where it measures faster and that close (elsewhere bf16 is emulated, and slower).
 
 The pass is traced once (TorchScript) and runs as one call that holds the GIL only at its
-ends. Op by op, every one of the ~70 small ops gave the GIL back and waited to take it again:
-beside a busy Python thread (an ingress streaming tokens) one embedding took 313 ms p50 against
-13 ms alone; traced, 29 ms (README, "Model router").
+ends. Op by op, every one of the many small ops gives the GIL back and waits to take it again:
+beside a busy Python thread (an ingress streaming tokens) one embedding takes many times its
+time alone; traced, close to it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Vector stores for the semantic cache, behind one small interface.
 
 - `EdgeStore` (default): Qdrant's own engine embedded in the replica (`qdrant-edge-py`), HNSW
-  and payload indexes included. qdrant-client's local mode is brute-force Python: measured here
-  at 155 ms p50 for 100k entries (1.5 s with a scope filter), far over the 5 ms bar.
+  and payload indexes included. qdrant-client's local mode is brute-force Python, far over the
+  lookup's latency budget at 100k entries (docs/caching.md).
 - `ClientStore`: `qdrant-client`, either `:memory:` (small caches, tests) or a Qdrant server
   URL, so every cache replica of a cluster shares one store.
 

@@ -46,9 +46,9 @@ class Speculation:
 # A catch-up this long is a prefill, not a re-feed of the last few tokens after a rejection.
 HELD_CATCH_UP_TOKENS = 32
 # A cached answer still on track is verified this many tokens per pass at first, then twice as
-# many each pass it is wholly accepted, up to the most. On the 2-core box a pass costs ~57 ms
-# for 1 token, ~150 ms for 32, ~215 ms for 64: a 64-token answer the model agrees with takes two
-# passes; one it rejects at once costs one 32-token pass, ~90 ms more than a plain step.
+# many each pass it is wholly accepted, up to the most. A pass's cost grows far slower than its
+# tokens: a 64-token answer the model agrees with takes two passes; one it rejects at once costs
+# one short pass more than a plain step.
 ANSWER_CHUNK_FIRST, ANSWER_CHUNK_MAX = 32, 128
 # A token the distribution rules out (a grammar, a -100 bias) has log-probability -inf, which JSON
 # cannot carry: it is reported as this finite floor, as OpenAI does.

@@ -7,7 +7,7 @@ worker thread, and the event loop stays free for new requests, health checks and
 An engine that holds a fixed number of sequences (llama.cpp's KV contexts) runs at most that
 many at once; the others wait for a seat in arrival order. Let in, a fifth sequence on four
 contexts evicts one, which then recomputes its whole context on its next step, and so on round
-the circle: 4 streams on the small model made ~50 tokens/s here, 6 streams 2.4.
+the circle, and throughput collapses.
 
 Iteration-level batching: the decode steps that requests ask for while the worker is busy
 are collected, and the next worker job runs them as ONE forward pass (earliest deadline first
@@ -15,13 +15,13 @@ when more are waiting than `max_batch_size`). A new request's prefill joins the 
 and its first decode step joins the next batch; a finished request leaves at once. A request
 alone speculates. When several wait, `StepModeChooser` prices a batched plain step (the weights
 read once for all, a token each) against a speculative round each in turn (several tokens per
-round) from what this replica measured, and takes the cheaper per token: on 2 CPU cores, turns
-up to ~3 requests, batching from ~4 on.
+round) from what this replica measured, and takes the cheaper per token: on a small CPU box,
+turns for a few requests, batching for more.
 
 An engine without batching (llama.cpp) runs each sequence's decode step as its own worker job,
 so a new prompt queued behind a round of them would wait for every one: with 4 seats, up to
-three steps, which beside a busy target took ~200 ms each (bench load: 0.5-0.8 s in
-`engine_queue`, the only TTFT misses of a run at 4x capacity). There, a prefill goes ahead of
+three steps, each slow beside a busy target, and under overload those waits were what made
+first tokens late. There, a prefill goes ahead of
 the decode steps queued before it; the step in progress still finishes. Each deferred step
 keeps its place in the round and is deferred once at most. With batching, a queued pass lets a
 waiting prompt go first (once), a drafter's long catch-up waits for a round (one under way
@@ -137,7 +137,7 @@ class ModelService:
         self.step_mode: StepModeChooser | None = None  # batch the waiting steps, or a round each in turn
         # On the worker thread, like every later forward pass: a second thread running torch
         # ops makes OpenMP keep two thread teams on the same cores, and every decode step after
-        # that ran ~2.7x slower here (50 -> 133 ms for SmolLM2 on 2 cores).
+        # that runs several times slower.
         if config.engine.warmup:
             self.executor.submit(self._warmup).result()
         if self.proposers:
@@ -176,8 +176,8 @@ class ModelService:
         priors: dict[str, float] = {}
         if self.draft_engine is not None:
             # A prompt no context has seen: the warm-up's would be mostly reused from the draft's
-            # prefix cache and price a catch-up ~8x too cheap (0.7 vs ~5.5 ms/token for llama.cpp
-            # Q4_1 here), which made the planner start the draft on long RAG prompts.
+            # prefix cache and price a catch-up far too cheap, which would make the planner start
+            # the draft on long RAG prompts.
             fresh = ids[1:] + ids[:1]  # rotated: shares no prefix with the warm-up
             target = self._greedy(fresh, self.AGREEMENT_TOKENS)
             dseq = self.draft_engine.new_sequence()
@@ -186,8 +186,8 @@ class ModelService:
             prefill_ms = (time.perf_counter() - t) * 1000 / len(fresh)
             # One pass prices a draft step and measures how often the draft picks the target's
             # greedy token: the model drafter's acceptance prior. The configured prior is a guess
-            # for any draft; llama.cpp on the target's own GGUF agrees ~98%, so the first
-            # requests can draft long.
+            # for any draft; llama.cpp on the target's own GGUF agrees nearly always, so the
+            # first requests can draft long.
             samples, agree = [], 0
             for token in target:
                 agree += int(logits.argmax()) == token
@@ -445,8 +445,7 @@ class ModelService:
     def _run_batch(self, loop: asyncio.AbstractEventLoop, deferred: bool = False) -> None:
         """On the worker thread: one forward pass for the waiting decode steps. A prompt queued
         behind this job goes first, once: otherwise it waits for the pass in progress and this
-        one after it (bench load, 4x: 944 ms of decode steps ahead of a prompt that missed
-        its 1 s TTFT)."""
+        one after it, and under overload that wait alone can miss its TTFT."""
         if not deferred and self._prefill_waiting():
             self.executor.submit(self._run_batch, loop, True)  # still scheduled: steps keep joining it
             return
@@ -501,8 +500,8 @@ class ModelService:
                 with self._pending_lock:  # the rest keep their place at the front, behind the prefill
                     self._pending = [*waiting[index:], *self._pending]
                     # One runner at most: the requests answered meanwhile may have scheduled it.
-                    # A second one ran a turn ahead of each later prompt, and they multiplied with
-                    # every cut (bench load, 4x: 9-17 jobs ahead of prompts that missed their TTFT).
+                    # A second one would run a turn ahead of each later prompt, and they would
+                    # multiply with every cut.
                     schedule, self._batch_scheduled = not self._batch_scheduled, True
                 if schedule:
                     self.executor.submit(self._run_batch, loop, True)  # deferred once already

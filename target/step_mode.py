@@ -1,21 +1,20 @@
 """Several requests want their next step: one batched plain pass, or a speculative round each?
 
 A batched step reads the weights once for every request in it and yields one token each. A
-speculative round verifies one request's drafted tokens in one pass and yields ~3-8. Which is
+speculative round verifies one request's drafted tokens in one pass and yields several. Which is
 cheaper per emitted token depends on the hardware, the batch size and the contexts, so both are
 priced from what this replica measures:
 - in turns: the cost model's price of a caught-up draft at its best k (`CostModel.
   steady_token_ms`: live draft and verify costs, live acceptance). Not the rounds themselves:
-  after a spell of batched steps a request's draft must first catch up, and rounds measured
-  then priced turns at ~50-100 ms per token where staying in turns cost ~30;
+  after a spell of batched steps a request's draft must first catch up, and rounds timed then
+  would price turns far above what staying in turns costs;
 - batched: a plain step of n sequences, per n, from start-up calibration, then live.
 
-On the 2-core CPU box with SmolLM2-135M (fp32), a plain step of 2-3 sequences cost ~1.6-1.8x one
-sequence's (MKL's small-M GEMMs are not memory-bound there), while a speculative round with the
-llama.cpp draft yields several tokens: 2-3 concurrent requests made 17-20 tokens/s batched
-against 30-32 taking speculative rounds in turn. From ~4 requests batching catches up, and at 8
-it made 2.5x the tokens/s. A GPU prices a batch of 16 near one sequence, so there batching wins
-from 2.
+On a small CPU box a plain step of a few sequences costs well over one sequence's (small-M
+GEMMs are not memory-bound there), while a speculative round with the llama.cpp draft yields
+several tokens: a few concurrent requests make more tokens/s taking speculative rounds in turn,
+and from several requests on batching catches up and then wins. A GPU prices a batch of 16 near
+one sequence, so there batching wins from 2 (docs/speculative-decoding.md).
 
 Switching costs a catch-up, so the mode changes only for a clear gain (`SWITCH_MARGIN`). A
 batch size not run for a while is run again now and then when its estimate is close, so a

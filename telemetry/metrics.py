@@ -3,7 +3,7 @@
 Ray's agent on every node serves them in Prometheus text (prefixed `ray_`; Ray writes the
 scrape targets to /tmp/ray/prom_metrics_service_discovery.json), summed across replicas and
 nodes by Prometheus, so an ingress or model replica that dies or scales out loses nothing.
-Recording one value costs ~4 us on the 2-core box: cheap enough for every token.
+Recording one value is cheap enough to do for every token.
 
 Names follow vLLM's (`vllm:time_to_first_token_seconds` ...) under our own namespace (Ray drops a `:`), with
 seconds and `_total` as OpenTelemetry's Prometheus conventions have them; the Grafana dashboard

@@ -1,11 +1,11 @@
 """Spans as plain records, made and exported off the request path as OTLP.
 
-Why not the SDK's `Span` objects: on a 2-core box a cache hit's eight SDK spans cost ~450 µs
-to make on the request path and ~60 µs each to encode on the exporter thread (the SDK's encoder
-fills each protobuf field from Python), all of it under the GIL the ingress's event loop
-needs, while a whole hit is ~2 ms of the ingress's CPU: 100% sampling cost 7-21% of hit
-throughput. Here a request queues a function that makes its spans (~16 µs on its path); the
-export thread makes them as tuples, writes OTLP protobuf (~8 µs a span) and sends it through
+Why not the SDK's `Span` objects: a cache hit's eight SDK spans are slow to make on the request
+path and to encode on the exporter thread (the SDK's encoder fills each protobuf field from
+Python), all of it under the GIL the ingress's event loop needs, and a whole hit is only a
+little of the ingress's CPU: full sampling would cost a visible share of hit throughput. Here a
+request queues a function that makes its spans (a few µs on its path); the export thread makes
+them as tuples, writes OTLP protobuf by hand and sends it through
 the official exporter's HTTP client (endpoint, headers, compression, TLS and retries as the
 `OTEL_EXPORTER_OTLP_*` variables say). The SDK still supplies the resource
 (`OTEL_RESOURCE_ATTRIBUTES` included), the ratio sampler's bound and the console exporter.
@@ -32,13 +32,14 @@ log = logging.getLogger(__name__)
 INTERNAL, SERVER, CLIENT = 1, 2, 3
 # OTLP span flags: the W3C sampled bit, and "whether the parent is remote" is known (+ its value).
 _FLAGS_LOCAL_PARENT, _FLAGS_REMOTE_PARENT = 0x101, 0x301
-# Spans per export request. Each POST costs ~1 ms of the exporter's Python (requests, urllib3):
-# under a few hundred cache hits a second, 512-span batches made it half the tracing's CPU.
+# Spans per export request. Each POST costs the exporter's Python (requests, urllib3) more than
+# many spans' encoding: under a few hundred cache hits a second, small batches would make the
+# POSTs most of the tracing's CPU.
 MAX_BATCH = 2048
-WAKE_AT = 256  # requests' spans queued (~5-12 each) that wake the export thread before its interval
-# The export thread works in slices of this many requests' or spans' worth (~0.5 ms) and offers
-# the GIL back between them. Held for a whole batch (~15 ms), the event loop waits out Python's
-# 5 ms switch interval again and again: cache-hit throughput fell 11% in a probe, at ~2% CPU.
+WAKE_AT = 256  # requests' spans queued that wake the export thread before its interval
+# The export thread works in slices of this many requests' or spans' worth and offers the GIL
+# back between them. Held for a whole batch, the event loop would wait out Python's switch
+# interval again and again, and cache-hit throughput would fall.
 SLICE = 16
 MAX_QUEUE = 4096  # requests' spans waiting; past that new ones are dropped (counted, logged), never piled up
 
@@ -219,8 +220,8 @@ class Tracer:
 # ------------------------------------------------------------------ exporters
 
 
-# OTLP's protobuf, written by hand: the official classes cost ~17 µs a span to fill from Python
-# here, this ~8. tests/test_telemetry_units.py reads it back with the official classes.
+# OTLP's protobuf, written by hand: the official classes are slower to fill from Python.
+# tests/test_telemetry_units.py reads it back with the official classes.
 _pack_fixed64 = struct.Struct("<Q").pack
 _pack_double = struct.Struct("<d").pack
 _pack_fixed32 = struct.Struct("<I").pack
