@@ -20,104 +20,39 @@ predicted within that bound, and leave the queue when it passes. Output length i
 waits for it and is then dropped has waited up to its whole TTFT budget for a 503, where a shed
 at arrival takes milliseconds.
 
-An idle model takes a request it can start in time (`_idle_takes`): nothing is gained by turning
-it away.
+An idle model takes a request it can start in time (`_idle_takes`): nothing is gained otherwise.
 
 Tenants share fairly (admission/fair_share.py): while more than one is active, each holds at
 most its share of the slots, seats and queue, and within a priority the queue is served by a
 virtual token counter, earliest deadline first among a tenant's own requests. A request's
 predicted wait counts only what that order puts ahead of it.
 
-Every first token calibrates: measured / predicted time to first token, an EWMA, scales the
-next TTFT predictions of its model (`bias`, within 0.5-3x). A TTFT target is a tail bound, and a mean bias
-leaves half the misses in place: the first token must also arrive in time when it comes as many
-ms late, against its scaled prediction, as the recent 95th percentile did (`ttft_tail_ms`).
+Every first token calibrates the next predictions of its model (admission/ttft_calibration.py):
+a mean bias scales them, and a first token must also arrive in time when it comes as late as
+the recent tail did (`ttft_tail_ms`).
 
-Concurrency counts every model's running requests: on one box the models share the cores (a
-request on either model slows the other's steps), so each model's ITL is learned against the
-total.
+Concurrency counts every model's running requests: on one box the models share the cores, so
+each model's ITL is learned against the total.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
 
-from admission.estimates import Ewma, ServiceEstimates
+from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
+from admission.ticket import Prediction, Rejection, Ticket
+from admission.ttft_calibration import TtftCalibration
 
 INF = float("inf")
 # A request is queued only if it is predicted to make its deadline with this much to spare;
 # otherwise it is shed at once. A queued request that is dropped later has waited for nothing.
 QUEUE_HEADROOM = 1.25
-# Observed / predicted time to first token, learned from every admitted request, scales the
-# TTFT predictions within these bounds: the estimates are per concurrency level and miss what
-# else loads the box, or count a wait that did not come. Right at the median; the tail is
-# `ttft_tail_ms`'s.
-TTFT_BIAS_BOUNDS = (0.5, 3.0)
-# The spare a first token needs against its TTFT target: a high quantile (`ttft_tail_quantile`,
-# 0.95) of how late first tokens came against their (scaled) predictions, in ms, over the first
-# tokens of the last 30 s (64 at most, from 10 on). Lateness is added, not multiplied: the
-# large ratios come on short predictions, and as a factor on every prediction they turned away
-# long requests that would have made their targets. Counted without an age limit, the lateness
-# of a busy spell (the warm-up's) would shed requests at light load minutes later.
-TTFT_TAIL_WINDOW = 64
-TTFT_TAIL_MAX_AGE_S = 30.0
-TTFT_TAIL_MIN_SAMPLES = 10
-TTFT_TAIL_MAX_MS = 2000.0
 
-
-@dataclass(eq=False)
-class Ticket:
-    model_id: str
-    tier: str
-    priority: int  # 0 first
-    prompt_tokens: int
-    max_tokens: int
-    deadline: float | None = None  # time.monotonic() by which the last token must arrive
-    ttft_deadline: float | None = None  # ... and the first one
-    arrived: float = field(default_factory=time.monotonic)
-    # Set when it starts:
-    started_at: float = 0.0
-    ttft_scale: float = 1.0  # the bias its TTFT prediction was scaled by
-    concurrency_at_start: float = 1.0
-    first_at: float = 0.0  # predicted first token
-    finish_at: float = 0.0  # predicted last token
-    prefilled: bool = False  # its first token arrived: its prefill delays no one any more
-    max_wait: float | None = None  # seconds it may wait in the queue (its tier's max_queue_ms)
-    tenant: str = ""  # whose share it counts against (the API key's tenant)
-
-    @property
-    def cost(self) -> int:
-        """Tokens it is charged to its tenant's virtual counter when it starts."""
-        return self.prompt_tokens + self.max_tokens
-
-
-@dataclass
-class Prediction:
-    wait_ms: float
-    ttft_ms: float
-    e2e_ms: float
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 1) for k, v in vars(self).items()}
-
-
-@dataclass
-class Rejection(Exception):
-    """Why a request was not admitted. Rendered as 503 + Retry-After + JSON body."""
-
-    reason: str  # "queue_full" | "deadline_unmeetable" | "queue_wait_limit" | "deadline_in_queue" | "queue_timeout"
-    message: str
-    retry_after_s: int
-    queued_ahead: int
-    waited_ms: float = 0.0
-    predicted: Prediction | None = None
 
 
 class AdmissionGate:
@@ -149,11 +84,7 @@ class AdmissionGate:
         self._seq = itertools.count()
         self.admitted = 0
         self.rejected: dict[str, int] = {}
-        self.ttft_bias: dict[str, Ewma] = {}  # per model: measured / predicted time to first token once started
-        # (when, ms the first token came after its scaled prediction), for `ttft_tail_ms`
-        self.ttft_tail_quantile = ttft_tail_quantile
-        self.ttft_late: collections.deque[tuple[float, float]] = collections.deque(maxlen=TTFT_TAIL_WINDOW)
-        self._tail: float | None = None  # cached until a first token arrives or one ages out
+        self.calibration = TtftCalibration(ttft_tail_quantile, clock)
 
     # ------------------------------------------------------------------ state
 
@@ -235,25 +166,10 @@ class AdmissionGate:
         return first, first + est.expected_tokens(t.max_tokens) * itl * self.safety
 
     def bias(self, model_id: str) -> float:
-        """Measured / predicted time to first token on this model, lately (its own engine, its
-        own errors: the small model's and the target's differ)."""
-        low, high = TTFT_BIAS_BOUNDS
-        ewma = self.ttft_bias.get(model_id)
-        return min(high, max(low, (ewma.value if ewma is not None else None) or 1.0))
+        return self.calibration.bias(model_id)
 
     def ttft_tail_ms(self) -> float:
-        """How late, at `ttft_tail_quantile`, the last 30 s of first tokens came against their
-        (scaled) predictions, in ms: a first token must be predicted in time with this to spare."""
-        while self.ttft_late and self.ttft_late[0][0] < self._clock() - TTFT_TAIL_MAX_AGE_S:
-            self.ttft_late.popleft()
-            self._tail = None
-        if self._tail is None:
-            self._tail = 0.0
-            if self.ttft_tail_quantile is not None and len(self.ttft_late) >= TTFT_TAIL_MIN_SAMPLES:
-                ordered = sorted(late for _, late in self.ttft_late)
-                late = ordered[int(self.ttft_tail_quantile * (len(ordered) - 1))]
-                self._tail = min(TTFT_TAIL_MAX_MS, max(0.0, late))
-        return self._tail
+        return self.calibration.tail_ms()
 
     def _first_in_time(self, t: Ticket, now: float, first_ms: float, headroom: float = 1.0) -> bool:
         """Would its first token, `first_ms` from now, make its TTFT deadline with `headroom`
@@ -284,11 +200,7 @@ class AdmissionGate:
         """The ticket's first token arrived: its prefill no longer delays anyone, and how long
         it took against the prediction calibrates the next predictions."""
         if not t.prefilled and t.started_at:
-            measured, predicted = self._clock() - t.started_at, t.first_at - t.started_at
-            if predicted > 0:  # against the unscaled prediction, or the bias would chase itself
-                self.ttft_bias.setdefault(t.model_id, Ewma(0.2)).add(min(4.0, measured * t.ttft_scale / predicted))
-                self.ttft_late.append((self._clock(), (measured - predicted) * 1000))
-                self._tail = None
+            self.calibration.learn(t.model_id, self._clock() - t.started_at, t.first_at - t.started_at, t.ttft_scale)
         t.prefilled = True
 
     def _fits_now(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> bool:
@@ -582,7 +494,7 @@ class AdmissionGate:
             "seats": dict(self.seats),
             "admitted": self.admitted,
             "rejected": dict(self.rejected),
-            "ttft_bias": {m: round(e.value, 3) for m, e in self.ttft_bias.items() if e.value is not None},
+            "ttft_bias": {m: round(e.value, 3) for m, e in self.calibration.ttft_bias.items() if e.value is not None},
             "ttft_tail_ms": round(self.ttft_tail_ms(), 1),
             "estimates": self.estimates.snapshot(),
         }

@@ -1,7 +1,7 @@
 """Read serve_config.yaml the way `serve run` does, for tests and benchmarks.
 
-Validates the file with Ray Serve's own schema and our AppArgs, and returns what a Python
-caller needs to start exactly the same graph: app args, per-deployment options, HTTP options
+Validates the file with Ray Serve's own schema and our AppArgs, checks its concurrency limits
+against each other (configs/limits.py), and returns what a Python caller needs to start exactly the same graph: app args, per-deployment options, HTTP options
 and runtime_env variables.
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from configs.limits import check_file
 from configs.schemas import AppArgs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +45,7 @@ def load_serve_config(path: str | Path = DEFAULT_SERVE_CONFIG, app_index: int = 
     for dep in raw["applications"][app_index].get("deployments", []):
         dep = dict(dep)
         options[dep.pop("name")] = dep
+    check_file(args, options)
     http = raw.get("http_options", {})
     return ServeFile(
         app_name=app.name,

@@ -14,8 +14,10 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from admission.sync import AdmissionSync
+from configs.limits import check_ingress
 from configs.schemas import AppArgs, EngineConfig
 from deployments.channel import ChannelClient, ChannelError, ChannelPool
+from deployments.limits import own_max_ongoing_requests
 from deployments.transport import over
 from engines.model_store import resolve_model_dir
 from host_tuning.niceness import ahead_of_compute
@@ -187,7 +189,8 @@ def _prompt_builders(args: AppArgs) -> dict[str, PromptBuilder]:
     return builders
 
 
-@serve.deployment(name="Ingress")
+# Defaults as in serve_config.yaml, so a file without this deployments entry fits configs/limits.py.
+@serve.deployment(name="Ingress", max_ongoing_requests=256, max_queued_requests=256)
 @serve.ingress()
 class Ingress:
     async def __init__(
@@ -200,6 +203,9 @@ class Ingress:
         draft: DeploymentHandle,
     ) -> None:
         config = AppArgs.model_validate(args)
+        own = own_max_ongoing_requests()
+        if own is not None:  # serve run: its YAML entry against admission's limits
+            check_ingress(config, own[1])
         host = config.host_tuning
         if host.front_level is not None:
             ahead_of_compute(host.front_level, "Ingress")

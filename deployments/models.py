@@ -11,8 +11,10 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from configs.limits import MODEL_STAGES, check_model
 from configs.schemas import HostTuningConfig, ModelStageConfig, TelemetryConfig
 from deployments.channel import ChannelServer, offer, shut
+from deployments.limits import own_max_ongoing_requests
 from deployments.transport import over
 from draft.remote import DraftSessions, RemoteDraft
 from host_tuning.niceness import set_niceness
@@ -31,6 +33,9 @@ class _ModelDeployment:
         transport: str = "grpc", host_tuning: dict | None = None,
     ) -> None:
         config = ModelStageConfig.model_validate(args)
+        own = own_max_ongoing_requests()
+        if own is not None and own[0] in MODEL_STAGES:  # serve run: its YAML entry against its engine
+            check_model(own[0], config, own[1])
         observe = TelemetryConfig.model_validate(telemetry or {})
         host = HostTuningConfig.model_validate(host_tuning or {})
         if host.model_level:
@@ -116,12 +121,14 @@ class _ModelDeployment:
         return {**self.service.snapshot(), "generate_by_channel": self._channel_streams}
 
 
-@serve.deployment(name="TargetModel")
+# Defaults as in serve_config.yaml, so a file without this deployments entry fits configs/limits.py.
+@serve.deployment(name="TargetModel", max_ongoing_requests=32, max_queued_requests=64)
 class TargetModel(_ModelDeployment):
     pass
 
 
-@serve.deployment(name="DraftModel")
+# Defaults as in serve_config.yaml, so a file without this deployments entry fits configs/limits.py.
+@serve.deployment(name="DraftModel", max_ongoing_requests=32, max_queued_requests=64)
 class DraftModel(_ModelDeployment):
     """The small model: serves whole routed requests, and drafts for remote speculation."""
 

@@ -47,9 +47,10 @@ from draft.proposers import Proposer
 from engines.base import Engine, PassStopped
 from engines.factory import build_engine
 from engines.grammar import GrammarState, compiler_for
-from engines.types import GenerateChunk, GenerateRequest, SamplingParams
+from engines.types import GenerateChunk, GenerateRequest
 from engines.worker_clock import Mark, WorkerClock
 from host_tuning.lookup_window import PrefillWindow
+from target import calibration
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
 from target.step_mode import StepModeChooser
@@ -58,8 +59,6 @@ if TYPE_CHECKING:
     from engines.vllm_service import VLLMService
 
 log = logging.getLogger(__name__)
-
-_WARMUP_TEXT = "Warm up the engine with a short prompt about the weather in a city by the sea."
 
 
 class EngineStats:
@@ -135,127 +134,22 @@ class ModelService:
         self._early_hints: OrderedDict[str, list[int]] = OrderedDict()  # late hints that beat their request here
         self.costs: CostModel | None = None
         self.step_mode: StepModeChooser | None = None  # batch the waiting steps, or a round each in turn
-        # On the worker thread, like every later forward pass: a second thread running torch
-        # ops makes OpenMP keep two thread teams on the same cores, and every decode step after
-        # that runs several times slower.
+        # On the worker thread, like every later forward pass (target/calibration.py).
+        model_id, on_worker = config.engine.model_id, self.executor.submit
         if config.engine.warmup:
-            self.executor.submit(self._warmup).result()
+            on_worker(calibration.warm_up, model_id, self.engine, self.draft_engine).result()
         if self.proposers:
-            self.costs = self.executor.submit(self._calibrate).result()
+            self.costs = on_worker(
+                calibration.speculation_costs, model_id, self.engine, self.draft_engine, config.speculative
+            ).result()
             if self.max_batch > 1:
-                batch_ms = self.executor.submit(self._calibrate_batches).result()
+                batch_ms = on_worker(calibration.plain_step_ms, model_id, self.engine, self.max_batch).result()
                 self.step_mode = StepModeChooser(batch_ms, self.max_batch, self._turn_token_ms)
-
-    # ------------------------------------------------------------------ start-up
-
-    def _warmup(self) -> None:
-        """Pay first-call costs (allocator, kernel selection) before real traffic arrives."""
-        start = time.monotonic()
-        ids = self.engine.tokenizer.encode(_WARMUP_TEXT)
-        for engine in filter(None, (self.engine, self.draft_engine)):
-            gen = Generation(engine, GenerateRequest("warmup", ids, SamplingParams(max_tokens=4, temperature=0.0)))
-            gen.prefill()
-            while not gen.finished:
-                gen.step()
-        log.info("%s warm in %.2f s", self.config.engine.model_id, time.monotonic() - start)
-
-    def _calibrate(self) -> CostModel:
-        """Measure what verifying m tokens and drafting one token cost on this replica."""
-        spec = self.config.speculative
-        ids = self.engine.tokenizer.encode(_WARMUP_TEXT)
-        seq = self.engine.new_sequence()
-        self.engine.prefill(seq, ids)
-        base = seq.length
-
-        def score(m: int) -> None:
-            self.engine.score(seq, ids[:m] if m <= len(ids) else (ids * m)[:m])
-            self.engine.rollback(seq, base)
-
-        draft_ms = 0.05  # n-gram / hint lookups are practically free
-        prefill_ms = 0.0
-        priors: dict[str, float] = {}
-        if self.draft_engine is not None:
-            # A prompt no context has seen: the warm-up's would be mostly reused from the draft's
-            # prefix cache and price a catch-up far too cheap, which would make the planner start
-            # the draft on long RAG prompts.
-            fresh = ids[1:] + ids[:1]  # rotated: shares no prefix with the warm-up
-            target = self._greedy(fresh, self.AGREEMENT_TOKENS)
-            dseq = self.draft_engine.new_sequence()
-            t = time.perf_counter()
-            logits = self.draft_engine.prefill(dseq, fresh)
-            prefill_ms = (time.perf_counter() - t) * 1000 / len(fresh)
-            # One pass prices a draft step and measures how often the draft picks the target's
-            # greedy token: the model drafter's acceptance prior. The configured prior is a guess
-            # for any draft; llama.cpp on the target's own GGUF agrees nearly always, so the
-            # first requests can draft long.
-            samples, agree = [], 0
-            for token in target:
-                agree += int(logits.argmax()) == token
-                t = time.perf_counter()
-                logits = self.draft_engine.decode_step(dseq, token)
-                samples.append((time.perf_counter() - t) * 1000)
-            self.draft_engine.release(dseq)
-            draft_ms = sorted(samples)[len(samples) // 2]
-            priors["model"] = min(0.95, max(0.3, agree / len(target)))  # 16 tokens are a small sample
-        costs = CostModel.calibrate(
-            score, spec.k_max, draft_ms, spec.prior_acceptance, prefill_ms, acceptance_priors=priors
-        )
-        self.engine.release(seq)
-        log.info(
-            "%s speculation: verify ms by tokens %s, draft %.1f ms/token, draft prefill %.1f ms/token, "
-            "acceptance priors %s",
-            self.config.engine.model_id,
-            [round(v.value, 1) for v in costs.verify],
-            draft_ms,
-            prefill_ms,
-            costs.calibrated["acceptance_priors"],
-        )
-        return costs
-
-    AGREEMENT_TOKENS = 16
 
     def _turn_token_ms(self) -> float:
         """Live ms per token of a request speculating on its own: its best drafter's, or plain."""
         drafted = [self.costs.steady_token_ms(p.name) for p in self.proposers if not p.free]
         return min([*drafted, self.costs.verify_ms(1)])
-
-    def _calibrate_batches(self) -> dict[int, float]:
-        """ms of a plain decode step of n sequences (n = 1, 2, 4, 8; fastest of 3): the prior
-        that the step-mode chooser weighs against speculating in turns."""
-        ids = self.engine.tokenizer.encode(_WARMUP_TEXT)
-        sizes = sorted({1, *(n for n in (2, 4, 8) if n <= self.max_batch)})
-        seqs = []
-        for i in range(sizes[-1]):
-            seq = self.engine.new_sequence()
-            self.engine.prefill(seq, ids[i:] + ids[:i])
-            seqs.append(seq)
-        measured = {}
-        for n in sizes:
-            batch, samples = seqs[:n], []
-            for _ in range(3):
-                lengths = [seq.length for seq in batch]
-                start = time.perf_counter()
-                self.engine.decode_batch(batch, ids[:n] if n <= len(ids) else [ids[0]] * n)
-                samples.append((time.perf_counter() - start) * 1000)
-                for seq, length in zip(batch, lengths):
-                    self.engine.rollback(seq, length)
-            measured[n] = min(samples)
-        for seq in seqs:
-            self.engine.release(seq)
-        log.info("%s plain decode step ms by batch size %s", self.config.engine.model_id,
-                 {n: round(ms, 1) for n, ms in measured.items()})
-        return measured
-
-    def _greedy(self, prompt: list[int], n: int) -> list[int]:
-        """The target's first n greedy tokens after `prompt`."""
-        seq = self.engine.new_sequence()
-        logits = self.engine.prefill(seq, prompt)
-        tokens = []
-        for _ in range(n):
-            tokens.append(int(logits.argmax()))
-            logits = self.engine.decode_step(seq, tokens[-1])
-        self.engine.release(seq)
-        return tokens
 
     def snapshot(self) -> dict[str, float]:
         """The counters, plus the prefix cache's (hit rate, blocks, memory) where the engine has

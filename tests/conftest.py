@@ -87,6 +87,31 @@ def assert_greedy_agrees(a: str, b: str) -> None:
         assert a == b, (a, b)
 
 
+def prompt_ids(engine, text: str = "What is the capital of France?") -> list[int]:
+    """A one-turn chat prompt, as the engine's chat template tokenizes it."""
+    return engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def exact_serve_file():
+    """configs/cpu-exact.yaml: the `transformers` target (float32, drafted by llama.cpp) the
+    engine-level unit tests exercise."""
+    from configs.serve_config import CPU_EXACT_CONFIG, load_serve_config
+
+    return load_serve_config(CPU_EXACT_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def engine(exact_serve_file):
+    """That target's engine, as shipped (the engine and host-tuning unit tests)."""
+    from engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(exact_serve_file.args.target.engine, exact_serve_file.args.host_tuning.cores_shared)
+
+
 @pytest.fixture(scope="session")
 def serve_file():
     return tested_profile()

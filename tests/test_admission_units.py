@@ -10,6 +10,7 @@ import pytest
 from admission.budget import trim_conversation
 from admission.estimates import ServiceEstimates
 from admission.gate import AdmissionGate, Rejection, Ticket
+from admission.ledger import AdmissionLedger, ReplicaReport
 from admission.limits import OverLimit, TenantLimiter
 from configs.schemas import AdmissionConfig, TenantLimits
 
@@ -112,10 +113,9 @@ def test_gate_sheds_at_once_what_cannot_make_it_queues_by_priority_and_protects_
         await gate.acquire(long)  # an idle model always takes the request
         assert gate.inflight == 1
 
-        start = time.monotonic()
         with pytest.raises(Rejection) as shed:
             await gate.acquire(_ticket(100, deadline_s=0.5))
-        assert time.monotonic() - start < 0.05, "a request that can't make it is shed at once"
+        assert shed.value.waited_ms == 0.0 and gate.queued == 0, "a request that can't make it is shed at once"
         assert shed.value.reason == "deadline_unmeetable"
         assert shed.value.predicted.wait_ms == pytest.approx(5000, rel=0.05)
         assert shed.value.retry_after_s in (5, 6)  # when the running one is predicted to finish
@@ -146,11 +146,10 @@ def test_gate_drops_a_queued_request_when_its_latest_start_passes_and_frees_canc
         running = _ticket(200, deadline_s=0.11)  # 100 tokens x 1 ms: little slack left
         await gate.acquire(running)
         late = _ticket(20, deadline_s=0.3)  # would make it if `running` finished on time
-        start = time.monotonic()
         with pytest.raises(Rejection) as dropped:
             await gate.acquire(late)
-        waited = time.monotonic() - start
-        assert dropped.value.reason == "deadline_in_queue" and 0.2 < waited < 0.3
+        assert dropped.value.reason == "deadline_in_queue" and dropped.value.waited_ms > 0, "queued first"
+        assert time.monotonic() < late.deadline, "dropped at its latest start, before its deadline"
         assert gate.queued == 0
 
         waiting = asyncio.create_task(gate.acquire(_ticket(20, deadline_s=None)))
@@ -176,20 +175,17 @@ def test_a_tier_queue_wait_limit_sheds_at_arrival_or_leaves_the_queue_when_it_pa
         await gate.acquire(running)
         capped = _ticket(20, deadline_s=None)
         capped.max_wait = 0.02
-        start = time.monotonic()
         with pytest.raises(Rejection) as shed:
             await gate.acquire(capped)
         assert shed.value.reason == "queue_wait_limit" and shed.value.predicted.wait_ms > 20
-        assert time.monotonic() - start < 0.01 and gate.queued == 0
+        assert shed.value.waited_ms == 0.0 and gate.queued == 0, "shed at arrival, never queued"
 
         roomy = _ticket(20, deadline_s=None)
         roomy.max_wait = 0.15  # the slot is due within it: queued, but `running` overruns
-        start = time.monotonic()
         with pytest.raises(Rejection) as dropped:
             await gate.acquire(roomy)
-        waited = time.monotonic() - start
-        assert dropped.value.reason == "queue_timeout" and 0.14 < waited < 0.25
-        assert dropped.value.waited_ms == pytest.approx(waited * 1000, abs=20)
+        assert dropped.value.reason == "queue_timeout"
+        assert dropped.value.waited_ms >= roomy.max_wait * 1000, "left the queue when its wait limit passed"
 
         never = _ticket(20, deadline_s=None)
         never.max_wait = 0  # start now or shed, whatever the predicted wait
@@ -408,7 +404,7 @@ def test_ttft_predictions_are_scaled_by_how_late_first_tokens_really_came():
     assert gate._service_ms(probe, 1)[0] == pytest.approx(150.0, abs=2.0)
     for _ in range(30):
         first_token_after(0.02)  # ten times faster: no lower than half
-    assert gate.ttft_bias["m"].value < 0.5 and gate.bias("m") == 0.5
+    assert gate.calibration.ttft_bias["m"].value < 0.5 and gate.bias("m") == 0.5
 
 
 def test_a_first_token_needs_the_recent_tail_of_lateness_to_spare_not_just_the_mean():
@@ -442,8 +438,8 @@ def test_a_first_token_needs_the_recent_tail_of_lateness_to_spare_not_just_the_m
     assert not gate.in_time(request()) and gate.check(request()).reason == "deadline_unmeetable"
     assert gate.in_time(request(50))  # ~330 ms predicted: in time even ~400 ms late
     off = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 7.0), safety=1.0, clock=lambda: now[0], ttft_tail_quantile=None)
-    off.estimates, off.ttft_bias, off.running = gate.estimates, gate.ttft_bias, set(gate.running)
-    off.ttft_late.extend(gate.ttft_late)
+    off.estimates, off.calibration.ttft_bias, off.running = gate.estimates, gate.calibration.ttft_bias, set(gate.running)
+    off.calibration.ttft_late.extend(gate.calibration.ttft_late)
     assert off.ttft_tail_ms() == 0.0, "admission.ttft_tail_quantile: null turns the tail off"
     assert off.in_time(request()), "the mean bias alone lets it in"
     now[0] += 31  # the late spell ages out
@@ -699,3 +695,19 @@ def test_live_load_moves_only_a_borderline_verdict_and_only_as_far_as_the_bounds
     assert choice.by_load("large", 0.95, 0.5, 1.0, bounds) is None  # clear-cut: past max_threshold
     assert choice.by_load("small", 0.4, 0.5, -0.2, bounds) == ("large", "load_upgrade", pytest.approx(0.3))
     assert choice.by_load("small", 0.05, 0.5, -1.0, bounds) is None  # clear-cut easy: under min_threshold
+
+
+def test_ledger_shares_limits_among_live_replicas():
+    now = [0.0]
+    ledger = AdmissionLedger(AdmissionConfig(max_inflight=10, max_queued=5, sync_interval_s=1.0), clock=lambda: now[0])
+    share = ledger.report("a", ReplicaReport(1, 0, 1, 0))
+    assert (share.max_inflight, share.max_queued, share.live_replicas) == (10, 5, 1)
+    share = ledger.report("b", ReplicaReport(2, 1, 2, 0))
+    assert (share.max_inflight, share.max_queued, share.live_replicas) == (5, 3, 2)
+    assert ledger.totals()["inflight"] == 3
+    now[0] = 10.0  # "a" stopped reporting: it no longer holds a share
+    assert ledger.report("b", ReplicaReport(0, 0, 2, 0)).max_inflight == 10
+    # Each replica hears of the others' running requests, by model (its own are its own).
+    ledger.report("c", ReplicaReport(3, 0, 3, 0, {"large": 2, "small": 1}))
+    share = ledger.report("b", ReplicaReport(1, 0, 3, 0, {"large": 1}))
+    assert share.others_inflight == {"large": 2, "small": 1}

@@ -15,6 +15,7 @@ from router.classifier import DifficultyClassifier
 from router.dataset import CATEGORIES, examples, fingerprint
 from router.learned import ClassifierRouter
 from router.load import LoadTracker
+from router.rules import RuleRouter
 
 
 def test_labeled_set_is_deterministic_and_held_out_by_template():
@@ -167,8 +168,11 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     from semantic_cache.cache import Lookup
 
     class SlowBackends:  # the SemanticCache replica on a loaded box
+        answered = 0
+
         async def cache_lookup(self, key, scope, query):
             await asyncio.sleep(1.0)
+            SlowBackends.answered += 1
             return Lookup("miss", vector=await embedder.embed_async(query))
 
     args = serve_file.args.model_copy(deep=True)
@@ -181,26 +185,26 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     busy.finish_at = time.monotonic() + 600  # the large model won't free up in time
     pipeline.gate.running.add(busy)
 
-    async def serve() -> tuple[AdmissionError, float]:
+    async def serve() -> AdmissionError:
         ctx = context_from_headers({"x-slo-tier": "batch", "x-request-deadline-ms": "4000"})
         tier = pipeline.admission.tier(ctx)
         body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
                 "max_tokens": 100, "temperature": 0}  # within the small model's limits: the classifier decides
         p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
-        start = time.perf_counter()
         with pytest.raises(AdmissionError) as shed:
             await pipeline.serve(p)
-        return shed.value, time.perf_counter() - start
+        return shed.value
 
-    err, took = asyncio.run(serve())
+    err = asyncio.run(serve())
     assert err.kind == "shed" and err.code == "deadline_unmeetable", err.message
     assert "did not decide within 30 ms" in err.message
-    assert 0.03 <= took < 0.5, took  # not the embedding's 1 s
+    assert SlowBackends.answered == 0, "shed before the slow lookup and its embedding answered"
+
     assert pipeline.gate.rejected == {"deadline_unmeetable": 1}
 
     async def verdict(make_routing, headers: dict | None = None, max_tokens: int = 100) -> tuple:
         """An interactive auto request (downgrade allowed) waiting on `make_routing(p)`:
-        (what _await_verdict decided, how long it took, the request)."""
+        (what await_verdict decided, whether the router had answered by then, the request)."""
         ctx = context_from_headers({"x-request-deadline-ms": "4000", "x-slo-tier": "interactive", **(headers or {})})
         tier = pipeline.admission.tier(ctx)
         body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
@@ -211,19 +215,18 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), max_tokens) for m in (large, small)]
         routing = make_routing(p)
         await asyncio.sleep(0)  # a real router starts its embedding
-        start = time.perf_counter()
         forced = await pipeline.placement.await_verdict(p, routing, tickets)
-        took = time.perf_counter() - start
+        answered = routing.done()
         routing.cancel()
-        return forced, took, p
+        return forced, answered, p
 
     def never(p):  # a router that does not answer
         return asyncio.get_running_loop().create_future()
 
     # The same request in a tier that allows downgrade: the small model, without the verdict.
-    forced, took, _ = asyncio.run(verdict(never))
+    forced, answered, _ = asyncio.run(verdict(never))
     assert forced is not None and (forced.model_id, forced.reason) == (small, "deadline_downgrade")
-    assert 0.03 <= took < 0.5, took
+    assert not answered
 
     # The large model free, the small one busy: the request commits to the large one after
     # the wait, without the verdict, rather than wait on and risk a 503 once the box fills up.
@@ -231,14 +234,14 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     other = Ticket(small, "batch", 1, 10, 10)
     other.finish_at = time.monotonic() + 0.2
     pipeline.gate.running.add(other)
-    forced, took, _ = asyncio.run(verdict(never))
+    forced, answered, _ = asyncio.run(verdict(never))
     assert forced is not None and (forced.model_id, forced.reason) == (large, "router_late")
-    assert 0.03 <= took < 0.5, took
+    assert not answered
 
     # Nothing runs: no one can take the slot meanwhile, so the verdict is worth waiting for.
     pipeline.gate.running.discard(other)
-    forced, took, _ = asyncio.run(verdict(lambda p: asyncio.ensure_future(asyncio.sleep(0.12))))  # answers at 120 ms
-    assert forced is None and took >= 0.11, (forced, took)
+    forced, answered, _ = asyncio.run(verdict(lambda p: asyncio.ensure_future(asyncio.sleep(0.12))))  # answers late
+    assert forced is None and answered, "an idle box waited past verdict_wait_ms for the router's answer"
     pipeline.gate.running.add(other)
 
     async def late_router_served() -> tuple:
@@ -247,15 +250,15 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         # safe choice, and admission takes it from there.
         slow = _SlowEmbedder(embedder, 1.0)
         pipeline.placement.embedder = slow
-        forced, took, p = await verdict(lambda p: asyncio.ensure_future(pipeline.placement.route(p)), {"cache-control": "no-cache"}, 8)
+        forced, answered, p = await verdict(lambda p: asyncio.ensure_future(pipeline.placement.route(p)), {"cache-control": "no-cache"}, 8)
         permit, decision = await pipeline.placement.admit(p, forced)
         permit.release()
-        return forced, decision, took, slow.calls
+        return forced, decision, answered, slow.calls
 
     other.finish_at = time.monotonic() + 0.2
-    forced, decision, took, calls = asyncio.run(late_router_served())
+    forced, decision, answered, calls = asyncio.run(late_router_served())
     assert (forced.model_id, forced.reason) == (large, "router_late") and calls == 1
-    assert 0.03 <= took < 0.5, took
+    assert not answered, "committed without the slow embedding's verdict"
     # Both models predicted alike, the small one busy: it would finish later there, so it stays.
     assert (decision.model_id, decision.reason) == (large, "router_late")
     # The small model measured faster: the shipped small-box profile moves it there, since it
@@ -263,11 +266,11 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     pipeline.admission.estimates[small].itl.add(1, 5.0)
     pipeline.admission.estimates[large].itl.add(1, 80.0)
     other.finish_at = time.monotonic() + 0.2
-    forced, decision, took, calls = asyncio.run(late_router_served())
+    forced, decision, _, calls = asyncio.run(late_router_served())
     assert (decision.model_id, decision.reason) == (small, "busy_box_downgrade")
     pipeline.placement.choice.busy_from = None  # the busy box off: admitted where the router committed
     other.finish_at = time.monotonic() + 0.2
-    forced, decision, took, calls = asyncio.run(late_router_served())
+    forced, decision, _, calls = asyncio.run(late_router_served())
     assert (decision.model_id, decision.reason) == (large, "router_late")
 
 
@@ -525,3 +528,19 @@ def test_a_standing_system_prompt_is_tokenized_once_and_kept_per_tenant():
     assert standing.tokens("b", rules, count) == 0  # another tenant's sight is its own
     standing.tokens("c", "other", count)  # over `size`: the least recent goes
     assert standing.tokens("a", rules, count) == 0
+
+
+def test_rule_router():
+    router = RuleRouter(RouterConfig(small_max_prompt_tokens=50, small_max_output_tokens=64), "large", "small")
+
+    def route(**kw):
+        f = dict(requested_model="auto", prompt_tokens=10, max_tokens=32, user_turns=1, last_user_message="hello")
+        f.update(kw)
+        return router.route(RouteFeatures(**f))
+
+    assert (route().model_id, route().reason) == ("small", "simple")
+    assert route(requested_model="large").reason == "explicit"
+    assert route(prompt_tokens=51).reason == "long_prompt"
+    assert route(max_tokens=65).reason == "long_output"
+    assert route(user_turns=9).reason == "deep_conversation"
+    assert route(last_user_message="Please PROVE it").reason == "hard_keyword"

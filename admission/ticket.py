@@ -1,0 +1,55 @@
+"""What admission knows of one request (`Ticket`), what it predicts for it (`Prediction`),
+and why it turned one away (`Rejection`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Ticket:
+    model_id: str
+    tier: str
+    priority: int  # 0 first
+    prompt_tokens: int
+    max_tokens: int
+    deadline: float | None = None  # time.monotonic() by which the last token must arrive
+    ttft_deadline: float | None = None  # ... and the first one
+    arrived: float = field(default_factory=time.monotonic)
+    # Set when it starts:
+    started_at: float = 0.0
+    ttft_scale: float = 1.0  # the bias its TTFT prediction was scaled by
+    concurrency_at_start: float = 1.0
+    first_at: float = 0.0  # predicted first token
+    finish_at: float = 0.0  # predicted last token
+    prefilled: bool = False  # its first token arrived: its prefill delays no one any more
+    max_wait: float | None = None  # seconds it may wait in the queue (its tier's max_queue_ms)
+    tenant: str = ""  # whose share it counts against (the API key's tenant)
+
+    @property
+    def cost(self) -> int:
+        """Tokens it is charged to its tenant's virtual counter when it starts."""
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass
+class Prediction:
+    wait_ms: float
+    ttft_ms: float
+    e2e_ms: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in vars(self).items()}
+
+
+@dataclass
+class Rejection(Exception):
+    """Why a request was not admitted. Rendered as 503 + Retry-After + JSON body."""
+
+    reason: str  # "queue_full" | "deadline_unmeetable" | "queue_wait_limit" | "deadline_in_queue" | "queue_timeout"
+    message: str
+    retry_after_s: int
+    queued_ahead: int
+    waited_ms: float = 0.0
+    predicted: Prediction | None = None

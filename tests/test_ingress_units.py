@@ -1,0 +1,142 @@
+"""The ingress without Ray: request context, readiness, the lookup overlap, near-miss hints,
+cache keys under the server's budget, a refused model call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ingress.context import context_from_headers
+from ingress.errors import APIError
+from semantic_cache.exact import CachedResponse
+
+
+@pytest.fixture(scope="module")
+def serve_file(exact_serve_file):
+    """The `transformers` target (float32, drafted by llama.cpp): configs/cpu-exact.yaml."""
+    return exact_serve_file
+
+
+def test_context_from_headers():
+    ctx = context_from_headers({"authorization": "Bearer sk-secret", "x-request-deadline-ms": "1500"})
+    assert ctx.tenant.startswith("key-") and "sk-secret" not in ctx.tenant
+    assert 1.0 < ctx.remaining_s(100) <= 1.5
+    assert context_from_headers({"x-tenant": "acme", "authorization": "Bearer k"}).tenant.endswith("/acme")
+    assert context_from_headers({"x-tenant": "acme"}).tenant == "anonymous/acme"
+    assert context_from_headers({}).tenant == "anonymous"
+    ctx = context_from_headers({"cache-control": "no-cache", "x-slo-tier": "batch"})
+    assert ctx.no_cache and not ctx.no_store and ctx.tier == "batch"
+    for bad in ({"x-request-deadline-ms": "-1"}, {"x-request-deadline-ms": "abc"}, {"x-tenant": "a b"}):
+        with pytest.raises(APIError):
+            context_from_headers(bad)
+
+
+def test_health_says_warming_until_every_stage_answers(serve_file):
+    from starlette.testclient import TestClient
+
+    from ingress.api import build_api
+    from ingress.pipeline import Pipeline
+
+    pipeline = Pipeline(serve_file.args, backends=None, prompts={})
+    client = TestClient(build_api(pipeline))
+    pipeline.readiness.set(False)
+    warming = client.get("/health")
+    assert warming.status_code == 503 and warming.json()["status"] == "warming"
+    pipeline.readiness.set(True)
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.get("/v1/nope").json()["error"]["code"] == "not_found"
+
+
+def test_idle_overlap_starts_the_model_beside_the_lookup_only_while_nothing_runs(serve_file):
+    from ingress.pipeline import Pipeline
+
+    args = serve_file.args.model_copy(deep=True)
+    target = args.target.engine.model_id
+    for mode, idle_answer in ((False, False), (True, True), ("idle", True)):
+        args.ingress.overlap_cache_lookup = mode
+        pipeline = Pipeline(args, backends=None, prompts={})
+        assert pipeline.placement.overlap_lookup() is idle_answer, mode
+        pipeline.gate.others_inflight = {target: 1}  # another ingress's request, as last synced
+        assert pipeline.placement.overlap_lookup() is (mode is True), mode
+        pipeline.gate.others_inflight = {}
+        pipeline.placement.load.started(target)  # this ingress's own, before the gate's sync saw it
+        assert pipeline.placement.overlap_lookup() is (mode is True), mode
+
+
+def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
+    from ingress.pipeline import Pipeline
+    from ingress.prepare import Prepared
+    from semantic_cache.cache import Lookup
+    from semantic_cache.exact import CachedResponse
+
+    args = serve_file.args.model_copy(deep=True)
+    target, small = args.target.engine.model_id, args.draft.engine.model_id
+    pipeline = Pipeline(args, backends=None, prompts={})
+    assert pipeline.cache.hint_models == {target}  # the small model does not speculate
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens):
+            return [len(word) for word in text.split()]
+
+    class Builder:
+        tokenizer = Tokenizer()
+
+    hint = Lookup("hint", CachedResponse("fifteen percent is 45", "stop", 5, 4, target), 0.8)
+    p = Prepared.__new__(Prepared)
+    p.cache_state, p.notes = "miss", {}
+    assert pipeline.cache.hint_ids(p, small, Builder(), hint) is None and p.cache_state == "miss"
+    assert pipeline.cache.hint_ids(p, target, Builder(), hint) == [7, 7, 2, 2] and p.cache_state == "hint"
+    verify = Lookup("hint", hint.response, 0.93, "verify")  # semantic.mode verify: a match checked as a draft
+    assert pipeline.cache.hint_ids(p, target, Builder(), verify) and p.cache_state == "verified"
+    assert p.notes["x-cache-match"] == "verify;score=0.930"
+
+
+def test_cache_key_follows_the_server_default_budget(serve_file):
+    """The key is made before tokenizing, from the requested max_tokens; a request that leaves it
+    to the server must not reuse answers made under another default budget."""
+    from ingress.pipeline import Pipeline
+
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    short = serve_file.args.model_copy(deep=True)
+    short.ingress.sampling.default_max_tokens = 16
+
+    def key(args, **extra):
+        return Pipeline(args, backends=None, prompts={}).preparer.prepare("chat", {**body, **extra}, context_from_headers({})).cache_key
+
+    assert key(serve_file.args) != key(short)
+    assert key(serve_file.args, max_tokens=8) == key(short, max_tokens=8)
+
+
+def test_a_model_call_refused_at_a_full_serve_queue_is_a_503_with_retry_after_not_a_500():
+    """Ray Serve refuses a call past the model's max_queued_requests with BackPressureError, and
+    Ray's cancel() raises it again. Under FIFO at 4x capacity that escaped a cleanup path as a
+    500 or cut the stream (bench load: 19 internal errors, 3 requests without an answer). The
+    handle adapter (deployments/ingress.py) turns the refusal into a 503 and never raises on
+    cancel; the pipeline passes the 503 on."""
+    from types import SimpleNamespace
+
+    from ray.serve.exceptions import BackPressureError
+
+    from deployments.ingress import ServeModelStream
+    from ingress.model_calls import ModelCalls
+
+    class Refused:
+        cancelled = 0
+
+        async def __anext__(self):
+            raise BackPressureError(num_queued_requests=64, max_queued_requests=64)
+
+        def cancel(self):
+            Refused.cancelled += 1
+            raise BackPressureError(num_queued_requests=64, max_queued_requests=64)
+
+    args = SimpleNamespace(ingress=SimpleNamespace(request_timeout_s=5.0, log_prompts=False))
+    calls = ModelCalls(args, backends=None, load=None, metrics=None)  # type: ignore[arg-type]
+    p = SimpleNamespace(ctx=SimpleNamespace(remaining_s=lambda cap: cap), model="smollm2-135m-instruct")
+    with pytest.raises(APIError) as err:
+        asyncio.run(calls.next(ServeModelStream(Refused(), p.model), p))
+    assert err.value.status == 503 and err.value.code == "model_queue_full"
+    assert err.value.headers["Retry-After"] == "1" and err.value.extra["model"] == p.model
+    assert Refused.cancelled == 1
+    ServeModelStream(Refused(), p.model).cancel()  # a cleanup path: never raises
