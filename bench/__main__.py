@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from deployments.local import OFFLINE_ENV
+from bench.local import OFFLINE_ENV
 
 SUITES = {
     "stack": "bench.stack",  # engine direct vs the whole graph; per-hop cost

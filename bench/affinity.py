@@ -67,7 +67,7 @@ async def _conversations(base: str, model: str, n: int, workers: int, turns: int
 
 
 def run(quick: bool = False, requests: int | None = None, **_: object) -> dict:
-    from deployments.local import running_service
+    from bench.local import running_service
 
     conversations, workers, turns = (4, 1, 3) if quick else (8, 1, 4)
     serve_file = load_serve_config()

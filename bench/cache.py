@@ -1,7 +1,7 @@
 """Suite `cache`: the semantic cache's quality, its latency through the stack, its store, and
 what near-miss drafts buy.
 
-1. Quality on the shipped evaluation set (semantic_cache/evalset.py): precision / recall at the
+1. Quality on the shipped evaluation set (bench/evalset.py): precision / recall at the
    configured threshold, the curve over thresholds (with and without guards), and a held-out
    check: the threshold picked on the `tune` half, scored on the `test` half.
 2. Latency over HTTP through the whole graph (httpx, non-streaming, loopback): a miss that
@@ -27,7 +27,7 @@ from tqdm import tqdm
 from bench.stats import summary
 from telemetry.clock import server_timing
 from configs.serve_config import load_serve_config
-from semantic_cache.evalset import PARAPHRASES, eval_pairs
+from bench.evalset import PARAPHRASES, eval_pairs
 from semantic_cache.guards import mismatch
 
 THRESHOLDS = [round(0.70 + 0.01 * i, 2) for i in range(29)]
@@ -114,7 +114,7 @@ def http_latency(requests: int, max_tokens: int) -> dict:
     paraphrases (a semantic hit is only a first time) alternate between them."""
     import httpx
 
-    from deployments.local import running_service_urls, without_rate_limits
+    from bench.local import running_service_urls, without_rate_limits
 
     serve_file = load_serve_config()
     model = serve_file.args.target.engine.model_id
@@ -184,7 +184,7 @@ def verified_hits(pairs_n: int, max_tokens: int) -> dict:
 
     import httpx
 
-    from deployments.local import running_service, without_rate_limits
+    from bench.local import running_service, without_rate_limits
 
     serve_file = load_serve_config()
     model = serve_file.args.target.engine.model_id

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from deployments.local import kill_replica, replicas, running_service, wait_replaced
+from bench.local import kill_replica, replicas, running_service, wait_replaced
 from bench.stats import summary
 from configs.serve_config import load_serve_config
 

@@ -1,4 +1,4 @@
-"""Suite `cluster`: the graph on a 4-node Ray cluster on this machine (deployments/local_cluster.py,
+"""Suite `cluster`: the graph on a 4-node Ray cluster on this machine (bench/local_cluster.py,
 configs/cluster.yaml) against the same graph on one node, on the same trace.
 
 - **Cache across nodes and replicas.** A trace of 12 tenants, each asking a question, repeating
@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from configs.serve_config import load_serve_config
-from deployments.local import running_service, without_rate_limits
-from deployments.local_cluster import CLUSTER_PROFILE, lose_a_node_under_load, running_cluster
+from bench.local import running_service, without_rate_limits
+from bench.local_cluster import CLUSTER_PROFILE, lose_a_node_under_load, running_cluster
 
 TENANTS = 12
 QUESTIONS = [

@@ -31,7 +31,7 @@ import os
 import platform
 import time
 
-from deployments.local import running_service
+from bench.local import running_service
 from bench.stats import summary
 from configs.schemas import AppArgs, ModelStageConfig
 from configs.serve_config import CPU_EXACT_CONFIG, ServeFile, load_serve_config

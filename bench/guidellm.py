@@ -58,7 +58,7 @@ def _levels(report: dict) -> list[dict]:
 
 def run(quick: bool = False, **_: object) -> dict:
     from configs.serve_config import load_serve_config
-    from deployments.local import running_service
+    from bench.local import running_service
     from engines.model_store import resolve_model_dir
 
     if not GUIDELLM.exists():

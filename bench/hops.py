@@ -124,7 +124,7 @@ def measure_hops(requests: int = 300) -> dict:
 def run(requests: int = 400, quick: bool = False) -> dict:
     import ray
 
-    from deployments.local import OFFLINE_ENV, free_port
+    from bench.local import OFFLINE_ENV, free_port
 
     if quick:
         requests = min(requests, 100)

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from configs.serve_config import load_serve_config
-from deployments.local import running_service
+from bench.local import running_service
 
 WINDOW_S = 12.0
 ATTACKERS = 1  # one attacking client, requests back to back (the n-flood: N_FLOOD_ATTACKERS at once)

@@ -344,7 +344,7 @@ def _plot(points: list[dict], capacity: float, path: Path) -> None:
 def run(quick: bool = False, out: str | None = None, requests: int | None = None, **_: object) -> dict:
     from tqdm import tqdm
 
-    from deployments.local import running_service
+    from bench.local import running_service
 
     duration, warm_in = (30.0, 10.0) if quick else (60.0, WARM_IN_S)
     cap = requests or 2000

@@ -174,8 +174,8 @@ def run(
     requests: int = 40, max_tokens: int = 24, quick: bool = False, out: str | None = None,
     rounds: int = 6, block: int = 8, clients: int = 4,
 ) -> dict:
-    from telemetry.otlp_sink import OTLPSink
-    from deployments.local import running_service, running_service_urls, without_rate_limits
+    from bench.otlp_sink import OTLPSink
+    from bench.local import running_service, running_service_urls, without_rate_limits
 
     if quick:
         requests, rounds = min(requests, 6), 2

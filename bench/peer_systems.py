@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.local import OFFLINE_ENV, free_port
+from bench.local import OFFLINE_ENV, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS = REPO / ".venv-peers"

@@ -16,7 +16,7 @@ the same prompts in the same order.
 - `shared_prefix`: one product-support system prompt (~300 tokens) shared by every request,
   conversations 1 to 4 user turns deep (earlier turns replayed with their answers).
 - `repeats`: `chat`-like questions where 10% repeat an earlier question word for word and 10%
-  ask an earlier one in other words (semantic_cache/evalset.py's paraphrase pairs).
+  ask an earlier one in other words (bench/evalset.py's paraphrase pairs).
 - `burst`: the `chat` rows, sent at 2x and 4x the measured capacity with a TTFT objective
   (the suite sends them `x-slo-tier: interactive`; peers ignore the header).
 """
@@ -28,7 +28,7 @@ import random
 from pathlib import Path
 
 from bench.workloads import CODE, DOCS
-from semantic_cache.evalset import PARAPHRASES
+from bench.evalset import PARAPHRASES
 
 WORKLOADS = ("chat", "shared_prefix", "repeats", "burst")
 OUTPUT_TOKENS = {"chat": 64, "shared_prefix": 48, "repeats": 48, "burst": 64}  # max_tokens, ignore_eos

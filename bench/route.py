@@ -135,7 +135,7 @@ def _phase_summary(results: list[dict], small_model: str) -> dict:
 def mixed_load(requests: int, concurrency: int, max_tokens: int, rounds: int) -> dict:
     import httpx
 
-    from deployments.local import running_service
+    from bench.local import running_service
 
     serve_file = load_serve_config()
     target = serve_file.args.target.engine.model_id

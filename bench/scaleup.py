@@ -45,7 +45,7 @@ def _probe(http: httpx.Client, n: int) -> tuple[str, float]:
 
 
 def run(quick: bool = False, **_: object) -> dict:
-    from deployments.local import running_service
+    from bench.local import running_service
     from configs.serve_config import load_serve_config
 
     serve_file = load_serve_config()

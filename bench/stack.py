@@ -183,7 +183,7 @@ def _through_stack(base_url: str, model: str, conversations, max_tokens: int) ->
 
 def run(requests: int = 16, max_tokens: int = 32, hop_requests: int = 300, quick: bool = False) -> dict:
     from bench.hops import measure_hops
-    from deployments.local import running_service
+    from bench.local import running_service
 
     if quick:  # a smoke run: fewer requests and hop samples
         requests, hop_requests = min(requests, 4), min(hop_requests, 60)

@@ -101,7 +101,7 @@ def _report(clients: int, results: list[dict], seconds: float) -> dict:
 
 def run(quick: bool = False, max_tokens: int = 32, **_: object) -> dict:
     from configs.serve_config import load_serve_config
-    from deployments.local import running_service
+    from bench.local import running_service
 
     seconds = 10.0 if quick else 20.0
     serve_file = load_serve_config()

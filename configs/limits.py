@@ -7,6 +7,8 @@ beside its engine and admission settings in the same file, and each bounds the o
   `max_ongoing_requests` is at least `admission.max_inflight + admission.max_queued`; below it,
   Serve queues or refuses requests that admission has room for, and admission's predictions
   count waits that are not its own;
+- a llama_cpp engine batches at most the sequences it holds: `engine.max_batch_size`, where the
+  file sets it, is at most `engine.max_sequences`;
 - a model replica must take as many calls as its engine runs sequences at once (llama_cpp:
   `engine.max_sequences`; vllm: `engine.vllm.max_num_seqs`; transformers:
   `engine.max_batch_size`); below it, the engine never fills, and admission counts seats Serve
@@ -62,8 +64,23 @@ def check_model(deployment: str, stage: ModelStageConfig, max_ongoing_requests: 
         )
 
 
+def check_batches(args: AppArgs) -> None:
+    """A llama_cpp `max_batch_size` the file sets above its `max_sequences` (the engine batches
+    the sequences it holds at most; left unset, the default is cut to fit). Only `args` as read
+    from the file knows what it set: the app builder checks it."""
+    for key in MODEL_STAGES.values():
+        engine = getattr(args, key).engine
+        if engine.kind == "llama_cpp" and "max_batch_size" in engine.model_fields_set and engine.max_batch_size > engine.max_sequences:
+            raise LimitsError(
+                f"{key}.engine.max_batch_size ({engine.max_batch_size}) is above {key}.engine.max_sequences "
+                f"({engine.max_sequences}): a llama_cpp step batches the sequences it holds at most; lower the one "
+                "or raise the other"
+            )
+
+
 def check_file(args: AppArgs, options: dict[str, dict[str, Any]]) -> None:
-    """Every deployment entry of a config file that sets `max_ongoing_requests`."""
+    """A config file's args, and every deployment entry that sets `max_ongoing_requests`."""
+    check_batches(args)
     for deployment, opts in options.items():
         if "max_ongoing_requests" not in opts:
             continue

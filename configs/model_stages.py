@@ -136,11 +136,6 @@ class EngineConfig(Strict):
             raise ValueError(f"weights is a llama_cpp setting; this engine is kind: {self.kind}")
         if self.cpu_repack != "auto" and self.kind != "llama_cpp":
             raise ValueError(f"cpu_repack is a llama_cpp setting; this engine is kind: {self.kind}")
-        if self.kind == "llama_cpp" and "max_batch_size" in self.model_fields_set and self.max_batch_size > self.max_sequences:
-            raise ValueError(
-                f"max_batch_size ({self.max_batch_size}) is above max_sequences ({self.max_sequences}): a llama_cpp "
-                "step batches the sequences it holds at most; lower the one or raise the other"
-            )
         return self
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from configs.limits import check_batches
 from configs.schemas import AppArgs
 from deployments.ingress import Ingress
 from deployments.models import DraftModel, TargetModel
@@ -39,6 +40,7 @@ def build_graph(
     """
     if isinstance(args, dict):
         args = AppArgs.model_validate(args)
+    check_batches(args)
     opts = deployment_options or {}
 
     def with_options(deployment):

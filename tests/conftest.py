@@ -8,7 +8,7 @@ import os
 import httpx
 import pytest
 
-from deployments.local import OFFLINE_ENV, running_service_urls
+from bench.local import OFFLINE_ENV, running_service_urls
 from configs.schemas import EngineConfig, TenantLimits, TierConfig, TracingConfig
 from configs.serve_config import DEFAULT_SERVE_CONFIG, load_serve_config
 from ingress.context import tenant_from_headers
@@ -138,7 +138,7 @@ def embedder():
 @pytest.fixture(scope="session")
 def otlp_sink():
     """A real OTLP/HTTP endpoint on loopback: the shared service exports every span to it."""
-    from telemetry.otlp_sink import OTLPSink
+    from bench.otlp_sink import OTLPSink
 
     sink = OTLPSink()
     yield sink

@@ -22,7 +22,7 @@ def test_every_row_is_unique_so_no_cache_answers_a_workload_that_has_no_repeats(
 
 
 def test_the_repeat_stream_repeats_about_a_tenth_word_for_word_and_asks_others_in_other_words():
-    from semantic_cache.evalset import PARAPHRASES
+    from bench.evalset import PARAPHRASES
 
     rows = build("repeats", 400, seed=0)
     texts = [r["messages"][-1]["content"] for r in rows]

@@ -13,7 +13,7 @@ from ingress.coalescing import Flights
 from ingress.context import context_from_headers
 from ingress.respond import _pieces
 from semantic_cache.cache import CacheEntry, ResponseCache
-from semantic_cache.evalset import eval_pairs
+from bench.evalset import eval_pairs
 from semantic_cache.exact import CachedResponse, ExactCache
 from semantic_cache.guards import mismatch
 from semantic_cache.keys import exact_key, scope_key, split_query

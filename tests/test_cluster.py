@@ -1,4 +1,4 @@
-"""The graph on a 4-node Ray cluster on this machine (deployments/local_cluster.py), placed by
+"""The graph on a 4-node Ray cluster on this machine (bench/local_cluster.py), placed by
 configs/cluster.yaml: an ingress replica on each of two `front` nodes, the model replicas on two
 `model` nodes, three SemanticCache replicas splitting the scopes. Requests are served through
 both ingress nodes; an answer cached through one is a hit through the other; every repeat hits
@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from configs.serve_config import load_serve_config
-from deployments.local import without_rate_limits
-from deployments.local_cluster import CLUSTER_PROFILE, lose_a_node_under_load, running_cluster
+from bench.local import without_rate_limits
+from bench.local_cluster import CLUSTER_PROFILE, lose_a_node_under_load, running_cluster
 
 ADMIN = "sk-cluster-admin"
 RECOVERY_LIMIT_S = 240

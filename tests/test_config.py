@@ -200,6 +200,6 @@ def test_limits_that_contradict_each_other_fail_at_load_naming_both(tmp_path):
         load_serve_config(with_changes(lambda app: deployment(app, "TargetModel").update(max_ongoing_requests=seats - 1)))
     with pytest.raises(LimitsError, match=r"deployments\[Ingress\]\.max_ongoing_requests .* admission\.max_inflight"):
         load_serve_config(with_changes(lambda app: deployment(app, "Ingress").update(max_ongoing_requests=8)))
-    with pytest.raises(ValidationError, match="max_batch_size .* max_sequences"):
+    with pytest.raises(LimitsError, match=r"draft\.engine\.max_batch_size .* draft\.engine\.max_sequences"):
         load_serve_config(with_changes(lambda app: app["args"]["draft"]["engine"].update(max_batch_size=64)))
     load_serve_config(with_changes(lambda app: deployment(app, "TargetModel").update(max_ongoing_requests=seats)))

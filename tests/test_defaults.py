@@ -15,7 +15,7 @@ from tests.test_auth import TARGET, _pipeline
 def shipped(service):
     """serve_config.yaml's args untouched (the shared test service tightens admission), as a
     second app on the same Serve, reached through the proxy at its own route prefix."""
-    from deployments.local import another_app
+    from bench.local import another_app
 
     args = service.config.args.model_copy(deep=True)
     args.ingress.direct_port = None

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from deployments.local import kill_replica, replicas, wait_replaced
+from bench.local import kill_replica, replicas, wait_replaced
 from tests.conftest import assert_greedy_agrees
 
 TARGET = "smollm2-135m-instruct"
@@ -89,7 +89,7 @@ def test_an_ingress_replica_lost_under_load_never_refuses_a_connection(service):
     """The shipped config runs two ingress replicas on one direct port: when one dies, the
     other takes every new connection. Only requests in flight on the lost replica may fail
     (two clients: two at most); no client is ever refused a connection."""
-    from deployments.local import another_app, free_port
+    from bench.local import another_app, free_port
 
     args = service.config.args.model_copy(deep=True)
     args.ingress.direct_port = free_port()

@@ -19,7 +19,7 @@ FOLLOW_UPS = ["What should I think about first?", "Give me one more tip."]
 
 @pytest.fixture(scope="module")
 def two_replicas(service):
-    from deployments.local import another_app
+    from bench.local import another_app
 
     args = service.config.args.model_copy(deep=True)
     args.cache.enabled = False  # every turn must reach a model replica

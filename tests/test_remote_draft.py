@@ -18,7 +18,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def remote_app(service):
-    from deployments.local import another_app, free_port
+    from bench.local import another_app, free_port
 
     from configs.serve_config import CPU_EXACT_CONFIG, load_serve_config
 

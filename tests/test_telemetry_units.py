@@ -199,7 +199,7 @@ def test_spans_encode_to_otlp_that_the_official_protobuf_reads_back():
 
 
 def test_the_otlp_exporter_posts_through_the_official_client_and_a_full_queue_drops():
-    from telemetry.otlp_sink import OTLPSink
+    from bench.otlp_sink import OTLPSink
 
     sink = OTLPSink()
     try:

@@ -25,7 +25,7 @@ from typing import Any
 
 from configs.schemas import AppArgs
 from configs.serve_config import ServeFile, load_serve_config
-from deployments.local import OFFLINE_ENV, ServiceURLs, _wait_healthy, free_port, quiet_logging
+from bench.local import OFFLINE_ENV, ServiceURLs, _wait_healthy, free_port, quiet_logging
 
 CLUSTER_PROFILE = "configs/cluster.yaml"
 
