@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -54,6 +53,7 @@ from target import calibration
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
 from target.step_mode import StepModeChooser
+from target.step_queue import StepQueue, earliest_deadline_first
 
 if TYPE_CHECKING:
     from engines.vllm_service import VLLMService
@@ -113,9 +113,7 @@ class ModelService:
         self.max_batch = config.engine.max_batch_size if hasattr(self.engine, "decode_batch") else 1
         if self.engine.max_sequences:  # a batch never holds more sequences than the engine keeps KV for
             self.max_batch = min(self.max_batch, self.engine.max_sequences)
-        self._pending: list[tuple[Generation, asyncio.Future]] = []  # decode steps waiting for the worker
-        self._pending_lock = threading.Lock()
-        self._batch_scheduled = False
+        self.steps = StepQueue(self.max_batch)  # decode steps waiting for the worker (batching engines)
         self._decoding = 0  # requests past their prefill: how many steps a full batch would hold
         self._prefill_jobs: set[Future] = set()  # prefills submitted to the worker, not yet done
         # The generation whose prefill runs on the worker now: a cancel stops that pass midway.
@@ -292,10 +290,7 @@ class ModelService:
         if self.max_batch <= 1:  # a job per sequence's step (see the module docstring)
             self.executor.submit(self._run_one, loop, gen, done)
             return done
-        with self._pending_lock:
-            self._pending.append((gen, done))
-            schedule, self._batch_scheduled = not self._batch_scheduled, True
-        if schedule:
+        if self.steps.add((gen, done)):
             self.executor.submit(self._run_batch, loop)
         return done
 
@@ -346,17 +341,11 @@ class ModelService:
         # The requests of the last batch ask for their next step one by one, as the event loop
         # hands each its chunk: give the stragglers a moment instead of running a batch of one.
         give_up = time.perf_counter() + self.BATCH_WAIT_S
-        while len(self._pending) < min(self._decoding, self.max_batch) and time.perf_counter() < give_up:
+        while len(self.steps) < min(self._decoding, self.max_batch) and time.perf_counter() < give_up:
             time.sleep(0.0002)
-        with self._pending_lock:
-            waiting = [(g, f) for g, f in self._pending if not f.cancelled()]  # cancelled: no step
-            self._pending = []
-            if len(waiting) > self.max_batch:  # earliest deadline first; the rest go next
-                waiting.sort(key=lambda item: item[0].request.deadline_unix or math.inf)
-                self._pending, waiting = waiting[self.max_batch :], waiting[: self.max_batch]
-                self.executor.submit(self._run_batch, loop)
-            else:
-                self._batch_scheduled = False
+        waiting, more = self.steps.take()
+        if more:  # the rest go next
+            self.executor.submit(self._run_batch, loop)
         if not waiting:
             return
         gens = [g for g, _ in waiting]
@@ -388,16 +377,10 @@ class ModelService:
         """On the worker thread: each waiting request's own step (a speculative round where its
         drafters pay), one after another, earliest deadline first. Each is answered as soon as
         its step is done; a prefill queued meanwhile goes ahead of the rest."""
-        waiting.sort(key=lambda item: item[0].request.deadline_unix or math.inf)
+        waiting = earliest_deadline_first(waiting)
         for index, (gen, done) in enumerate(waiting):
-            if index and self._prefill_waiting():
-                with self._pending_lock:  # the rest keep their place at the front, behind the prefill
-                    self._pending = [*waiting[index:], *self._pending]
-                    # One runner at most: the requests answered meanwhile may have scheduled it.
-                    # A second one would run a turn ahead of each later prompt, and they would
-                    # multiply with every cut.
-                    schedule, self._batch_scheduled = not self._batch_scheduled, True
-                if schedule:
+            if index and self._prefill_waiting():  # the rest keep their place, behind the prefill
+                if self.steps.put_back(waiting[index:]):
                     self.executor.submit(self._run_batch, loop, True)  # deferred once already
                 return
             if done.cancelled():

@@ -269,3 +269,31 @@ def test_a_prompts_engine_queue_splits_into_the_prefills_and_steps_that_ran_ahea
     for chunk in (one, two):
         assert chunk.timings_ms["engine_queue_longest_seqs"] == 1.0
         assert chunk.timings_ms["engine_queue_longest_cpu"] < 0.5, chunk.timings_ms  # it slept: no CPU
+
+
+def test_the_step_queue_batches_by_deadline_and_schedules_one_runner_at_a_time():
+    """target/step_queue.py, driven without threads: the first step asks for a runner, the
+    others join it; past max_batch the earliest deadlines go first and the rest ask for another
+    runner; a cancelled request has no step; steps put back keep their place, one runner."""
+    from types import SimpleNamespace
+
+    from target.step_queue import StepQueue
+
+    loop = asyncio.new_event_loop()
+    try:
+        def step(deadline):
+            return SimpleNamespace(request=SimpleNamespace(deadline_unix=deadline)), loop.create_future()
+
+        queue = StepQueue(max_batch=2)
+        late, none, early, gone = step(30.0), step(None), step(10.0), step(5.0)
+        assert queue.add(late) and not queue.add(none) and not queue.add(early) and not queue.add(gone)
+        gone[1].cancel()  # its client left
+        taken, more = queue.take()
+        assert taken == [early, late] and more, "earliest deadlines first; the one without waits"
+        assert not queue.add(step(1.0)), "a runner is still scheduled for what is left"
+        taken, more = queue.take()
+        assert len(taken) == 2 and not more and len(queue) == 0
+        assert queue.put_back([none]), "put back with no runner scheduled: schedule one"
+        assert not queue.put_back([late]) and queue.take() == ([late, none], False)
+    finally:
+        loop.close()
