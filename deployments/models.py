@@ -19,7 +19,6 @@ from deployments.transport import over
 from draft.remote import DraftSessions, RemoteDraft
 from host_tuning.niceness import set_niceness
 from target.service import ModelService, build_service
-from engines.vllm_service import VLLMService
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 from telemetry.metrics import EngineMetrics
 from telemetry.tracing import ModelCallTrace, make_tracer
@@ -42,8 +41,7 @@ class _ModelDeployment:
             set_niceness(host.model_level)  # the compute below the request path (Ray starts us at 15)
         remote = RemoteDraft(over(draft, transport)) if draft is not None else None
         self.service = build_service(config, remote, host)
-        if isinstance(self.service, VLLMService):
-            await self.service.warmup()  # ModelService warms up in its constructor, on its worker thread
+        await self.service.warmup()
         self._model_id = config.engine.model_id
         self._tracer = make_tracer(observe.tracing, type(self).__name__)
         self._metrics = EngineMetrics(observe.metrics, self._model_id) if observe.metrics.enabled else None

@@ -43,6 +43,8 @@ class Engine(ABC):
     # Sequences it can hold at once without evicting one's KV (llama.cpp: its contexts); None:
     # no fixed limit. Past it, every step would recompute an evicted sequence's whole context.
     max_sequences: int | None = None
+    # Whether `decode_batch(seqs, token_ids)` runs several sequences' decode steps in one pass.
+    batches: bool = False
 
     @abstractmethod
     def new_sequence(self, salt: int = 0) -> Sequence:

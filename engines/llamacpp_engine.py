@@ -169,6 +169,8 @@ class _SeqState:
 
 
 class LlamaCppEngine(Engine):
+    batches = True
+
     def __init__(self, config: EngineConfig, share_cores: bool = False) -> None:
         import llama_cpp as lib
         from transformers import AutoTokenizer

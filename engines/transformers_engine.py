@@ -21,6 +21,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.f
 
 
 class TransformersEngine(Engine):
+    batches = True
+
     def __init__(self, config: EngineConfig, share_cores: bool = False) -> None:
         start = time.monotonic()
         torch.set_num_threads(config.num_threads)

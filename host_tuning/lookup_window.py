@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ class LookupWindow:
             self.board.mark(overlap.mark)
 
 
+@runtime_checkable
 class LeavesOneCore(Protocol):
     """An engine whose passes can keep to one thread for a while (the transformers engine)."""
 
@@ -159,7 +160,7 @@ class PrefillWindow:
 
     def open(self, engine: object, overlap: LookupOverlap | None, enqueued: float) -> _Opened | None:
         """A window around the prefill about to run, where the engine can keep one (`LeavesOneCore`)."""
-        if overlap is None or not hasattr(engine, "leave_one_core"):
+        if overlap is None or not isinstance(engine, LeavesOneCore):
             return None
         self.prefills += 1
         ended = self.board.watch(overlap.mark) if overlap.mark else None

@@ -110,7 +110,7 @@ class ModelService:
         # Host tuning: a prefill beside the ingress's cache lookup leaves it a core meanwhile.
         self.window = PrefillWindow() if host.window else None
         # Batching needs an engine that can decode several sequences in one pass.
-        self.max_batch = config.engine.max_batch_size if hasattr(self.engine, "decode_batch") else 1
+        self.max_batch = config.engine.max_batch_size if self.engine.batches else 1
         if self.engine.max_sequences:  # a batch never holds more sequences than the engine keeps KV for
             self.max_batch = min(self.max_batch, self.engine.max_sequences)
         self.steps = StepQueue(self.max_batch)  # decode steps waiting for the worker (batching engines)
@@ -143,6 +143,9 @@ class ModelService:
             if self.max_batch > 1:
                 batch_ms = on_worker(calibration.plain_step_ms, model_id, self.engine, self.max_batch).result()
                 self.step_mode = StepModeChooser(batch_ms, self.max_batch, self._turn_token_ms)
+
+    async def warmup(self) -> None:
+        """Nothing left to do: the constructor warmed the engines on the worker thread."""
 
     def _turn_token_ms(self) -> float:
         """Live ms per token of a request speculating on its own: its best drafter's, or plain."""
