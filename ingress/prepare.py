@@ -39,16 +39,20 @@ from telemetry.tracing import RequestTrace
 
 @dataclass
 class Prepared:
-    """A validated request, ready to admit."""
+    """A validated request on its way through the pipeline. The first group is what the client
+    asked, as the Preparer read it: no stage changes it. The second is what the stages found,
+    each field written by the one stage named beside it (the pipeline's own steps where none is
+    named); the pipeline's response and telemetry read them."""
 
+    # What the client asked (ingress/prepare.py)
     kind: Kind
     ctx: RequestContext
     request: ChatCompletionRequest | CompletionRequest
     requested_model: str
-    sampling: SamplingParams  # max_tokens is set by _tokenize, from the prompt's length
+    sampling: SamplingParams  # max_tokens is fitted by `Preparer.tokenize`, from the prompt's length
     stream: bool
     include_usage: bool
-    features: RouteFeatures
+    features: RouteFeatures  # `vector` added by placement.py for the router
     cache_key: str | None  # None: this request neither reads nor writes the cache
     scope: str | None  # semantic scope (None: exact match only)
     query: str | None  # the last user turn, what the semantic lookup compares
@@ -57,27 +61,28 @@ class Prepared:
     mode: Mode
     chars: int = 0  # characters of message content or prompt: how long tokenizing it takes
     system_text: str = ""  # the system (and developer) messages: standing instructions, not the task
-    prompt_ids: list[int] = field(default_factory=list)  # filled by _tokenize
-    vector: Any = None  # the request's embedding (from the cache lookup, or made here): router and write
-    lookup_done: asyncio.Event = field(default_factory=asyncio.Event)  # the cache lookup is over (or skipped)
-    coalesced: bool = False  # follows an identical generation already in flight
-    retried: bool = False  # a model replica died under this request and it was sent again
-    ticket: Ticket | None = None  # its admission slot (predictive mode)
-    admitted_at: float = 0.0  # perf_counter() when admitted: model-side times count from here
-    notes: dict[str, str] = field(default_factory=dict)  # response headers saying what admission changed
+    tools: ToolSpec | None = None  # its function tools: prompt, grammar, and tool_calls in the answer
+    grammar_param: str | None = None  # the field that asked for sampling.structured, for its 400
+    # What the stages found
+    prompt_ids: list[int] = field(default_factory=list)  # Preparer.tokenize; the pipeline re-tokenizes for a routed model
     clock: StageClock = field(default_factory=StageClock)  # where its time went: Server-Timing, spans, metrics
     trace: RequestTrace | None = None  # its spans, when tracing is on and the trace is sampled
-    model: str = ""  # the model that answers (after routing / downgrade; the cache's for a hit)
+    notes: dict[str, str] = field(default_factory=dict)  # response headers: what the stages changed, each its own key
+    vector: Any = None  # the embedding: cache_client.py's lookup brings it, placement.py makes it without one
+    lookup_done: asyncio.Event = field(default_factory=asyncio.Event)  # cache_client.py: the lookup is over (or skipped)
+    cache_state: str = "none"  # hit / verified / miss / hint / bypass: the pipeline, cache_client.py's hints, a hit's answer
+    verifying: Any = None  # cache_client.py: the semantic match (Lookup) the model is verifying, if any
+    ticket: Ticket | None = None  # placement.py: its admission slot (predictive mode)
+    admitted_at: float = 0.0  # placement.py: perf_counter() when admitted; model-side times count from here
+    model: str = ""  # the model that answers (after routing and admission's moves; the cache's for a hit)
     route: str = ""  # why: RouteDecision.reason
-    cache_state: str = "none"  # hit / verified / miss / hint / bypass
-    logprobs: list | None = None  # a non-streamed answer's token log-probabilities, when asked
-    engine_queue_ms: float = 0.0  # the model replica's queue and prefill, from its first chunk
-    decode_chunks: int = 0  # chunks with tokens after the first: the engine steps it took
-    prefill_ms: float | None = None
-    streaming: bool = False  # the SSE body owns the request's end (its metrics and spans)
-    tools: ToolSpec | None = None  # its function tools: prompt, grammar, and tool_calls in the answer
-    verifying: Any = None  # the semantic match (semantic_cache.Lookup) the model is verifying, if any
-    grammar_param: str | None = None  # the field that asked for sampling.structured, for its 400
+    coalesced: bool = False  # model_calls.py: follows an identical generation already in flight
+    retried: bool = False  # model_calls.py: a model replica died under this request and it was sent again
+    decode_chunks: int = 0  # model_calls.py: chunks with tokens after the first, the engine steps it took
+    logprobs: list | None = None  # model_calls.py: a non-streamed answer's token log-probabilities, when asked
+    engine_queue_ms: float = 0.0  # the model replica's queue, from its first chunk
+    prefill_ms: float | None = None  # ... and its prefill
+    streaming: bool = False  # respond.py: the SSE body owns the request's end (its metrics and spans)
 
 
 # Prompts longer than this are tokenized (and trimmed) on a worker thread, not on the event
