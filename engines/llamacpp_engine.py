@@ -44,7 +44,9 @@ from host_tuning.cores import CoreShare
 
 log = logging.getLogger(__name__)
 
-PREFILL_MIN_TOKENS = 16  # shorter runs: the KV copies would cost more than the faster kernels save
+# Shorter runs (a catch-up): the KV copies would cost more than the faster kernels save. A
+# prompt goes to the prefill copy at any length (`_run`).
+PREFILL_MIN_TOKENS = 16
 COPY_MIN_TOKENS = 16  # a prefix another slot holds is copied when it saves at least this many tokens
 N_BATCH = 256  # tokens per llama_decode call; longer runs go in several
 
@@ -234,7 +236,7 @@ class LlamaCppEngine(Engine):
     def prefill(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
         prompt = seq.length == 0  # not a catch-up
         self._append(seq, token_ids)
-        logits = self._run([seq.kv], 1)[0]
+        logits = self._run([seq.kv], 1, prompt=prompt)[0]
         if prompt:
             seq.reused = seq.kv.reused  # prompt tokens whose KV a slot already held
             self.prefix_cache.lookups += 1
@@ -291,9 +293,11 @@ class LlamaCppEngine(Engine):
         state.tokens.extend(token_ids)
         seq.length = len(state.tokens)
 
-    def _run(self, states: list[_SeqState], want: int) -> list[np.ndarray]:
+    def _run(self, states: list[_SeqState], want: int, prompt: bool = False) -> list[np.ndarray]:
         """Evaluate what each sequence's slot lacks, in one pass; logits after each one's last
-        `want` tokens, in order. A lone prompt runs on the prefill copy when there is one."""
+        `want` tokens, in order. A lone prompt runs on the prefill copy when there is one, however
+        little of it a slot lacks: its first token then comes from the same weights whether or
+        not its prefix was cached, so a repeated request gets the same answer."""
         slots = [self._bind(state) for state in states]
         if len(states) > 1:  # in slot order: consecutive ids make one pass (module docstring)
             order = sorted(range(len(states)), key=slots.__getitem__)
@@ -302,9 +306,11 @@ class LlamaCppEngine(Engine):
             for rank, i in enumerate(order):
                 out[i * want : (i + 1) * want] = logits[rank * want : (rank + 1) * want]
             return out
-        return self._run_in_order(states, slots, want)
+        return self._run_in_order(states, slots, want, prompt)
 
-    def _run_in_order(self, states: list[_SeqState], slots: list[int], want: int) -> list[np.ndarray]:
+    def _run_in_order(
+        self, states: list[_SeqState], slots: list[int], want: int, prompt: bool = False
+    ) -> list[np.ndarray]:
         items: list[tuple[int, int, int, bool]] = []
         for state, slot in zip(states, slots):
             held = self._held[slot]
@@ -314,7 +320,8 @@ class LlamaCppEngine(Engine):
                 del held[start:]
             state.reused = start
             todo = state.tokens[start:]
-            if len(states) == 1 and want == 1 and self._prefill is not None and len(todo) >= PREFILL_MIN_TOKENS:
+            long_run = prompt or len(todo) >= PREFILL_MIN_TOKENS
+            if len(states) == 1 and want == 1 and self._prefill is not None and long_run:
                 return [self._eval_on_prefill_context(slot, state.tokens, start)]
             items += [(slot, start + i, t, i >= len(todo) - want) for i, t in enumerate(todo)]
             held.extend(todo)

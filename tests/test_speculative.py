@@ -502,6 +502,28 @@ def test_a_prompt_evaluated_on_the_requantized_copy_hands_a_working_kv_to_the_de
     assert agree >= len(reference) - 2, (reference, handed_over)  # a broken KV would agree on ~none
 
 
+def test_a_repeated_prompt_gets_the_same_first_token_whether_or_not_its_prefix_was_cached(serve_file):
+    """The shipped small model decodes on Q4_1 and prefills on a float32 copy: a prompt whose
+    prefix a slot still holds runs its short remainder on that copy too, so the first token
+    comes from the same weights as on a cold cache (the newcomer's "capital of France" said
+    Paris once, then something else on every repeat)."""
+    from engines.llamacpp_engine import LlamaCppEngine
+
+    config = serve_file.args.draft.engine
+    assert config.kind == "llama_cpp" and config.prefill_quant == "f32", "the shipped small model"
+    engine = LlamaCppEngine(config.model_copy(update={"max_sequences": 2}))
+    ids = _chat_ids(engine.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    first = engine.new_sequence()
+    cold = engine.prefill(first, ids)
+    engine.release(first)
+    again = engine.new_sequence()
+    warm = engine.prefill(again, ids)
+    assert again.reused > 0, "the repeat found its prefix held"
+    engine.release(again)
+    assert int(torch.argmax(warm)) == int(torch.argmax(cold))
+    assert torch.allclose(warm, cold, atol=0.1)  # the held KV made a round trip between the contexts
+
+
 def test_step_mode_speculates_in_turns_where_a_small_batch_costs_more_per_token_and_batches_beyond():
     from target.step_mode import StepModeChooser
 
