@@ -66,7 +66,6 @@ def test_idle_overlap_starts_the_model_beside_the_lookup_only_while_nothing_runs
 
 def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
     from ingress.pipeline import Pipeline
-    from ingress.prepare import Prepared
     from semantic_cache.cache import Lookup
     from semantic_cache.exact import CachedResponse
 
@@ -83,8 +82,9 @@ def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
         tokenizer = Tokenizer()
 
     hint = Lookup("hint", CachedResponse("fifteen percent is 45", "stop", 5, 4, target), 0.8)
-    p = Prepared.__new__(Prepared)
-    p.cache_state, p.notes = "miss", {}
+    body = {"model": target, "messages": [{"role": "user", "content": "What is 15% of 300?"}]}
+    p = pipeline.preparer.prepare("chat", body, context_from_headers({}))
+    p.cache_state = "miss"  # as the pipeline's lookup step leaves it
     assert pipeline.cache.hint_ids(p, small, Builder(), hint) is None and p.cache_state == "miss"
     assert pipeline.cache.hint_ids(p, target, Builder(), hint) == [7, 7, 2, 2] and p.cache_state == "hint"
     verify = Lookup("hint", hint.response, 0.93, "verify")  # semantic.mode verify: a match checked as a draft
