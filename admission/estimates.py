@@ -2,7 +2,7 @@
 
 A request's time in the model is prefill (ms per prompt token) plus one decode step per output
 token. On a batching engine a step's cost depends on how many sequences share it, so the
-inter-token latency is kept per concurrency level (1, 2, 4, 8, ... in flight). The ITL measured
+inter-token latency is kept per concurrency level (1, 2, 4, 8, ... in flight). The ITL observed
 at the client already includes speculative decoding's live acceptance rate: more tokens accepted
 per round is a lower ITL.
 """
@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-PRIOR_OUTPUT_FRACTION = 0.5  # of max_tokens, until measured
-BATCH_COST = 0.5  # share of a step's cost each extra sequence adds, where not measured
-MAX_AGE_S = 30.0  # a concurrency level not measured for this long starts to fade (see ByConcurrency)
+PRIOR_OUTPUT_FRACTION = 0.5  # of max_tokens, until observed
+BATCH_COST = 0.5  # share of a step's cost each extra sequence adds, where not observed
+MAX_AGE_S = 30.0  # a concurrency level not observed for this long starts to fade (see ByConcurrency)
 STALE_HALF_LIFE_S = 90.0  # ... halving its (log) distance from the extrapolation this often
 
 
@@ -38,21 +38,21 @@ class Ewma:
 
 @dataclass
 class ByConcurrency:
-    """A cost per concurrency level (1, 2, 4, 8, ...), learned online. Between measured levels:
-    interpolated; below the lowest: the lowest's; above the highest (or with nothing measured,
+    """A cost per concurrency level (1, 2, 4, 8, ...), learned online. Between observed levels:
+    interpolated; below the lowest: the lowest's; above the highest (or with nothing observed,
     from the prior): each added sequence is assumed to add half the cost again. Pessimistic
     enough not to over-admit, optimistic enough that a higher concurrency gets tried, and then
-    measured.
+    observed.
 
-    A level last measured over `max_age_s` ago fades toward the extrapolation from the fresh
+    A level last observed over `max_age_s` ago fades toward the extrapolation from the fresh
     levels: its log-distance from it halves every `half_life_s`. Kept as it was, one bad spell
     (a replica restarting beside the models, hogging the cores) leaves a level priced so high
-    that admission never runs that many requests again, so it is never measured again either:
+    that admission never runs that many requests again, so it is never observed again either:
     the service stays at one request at a time for good. Dropped outright, a level learned under
     real load is replaced by the optimistic extrapolation after a quiet minute, and the next
     burst over-admits. Fading in log space does both: with the defaults a 67x outlier is down
     to 14x a minute after it went stale and to 5x after two, while a true 2.4x still counts as
-    1.6x after a minute and a half; a level measured again counts at once.
+    1.6x after a minute and a half; a level observed again counts at once.
     """
 
     levels: dict[int, Ewma] = field(default_factory=dict)
@@ -68,14 +68,14 @@ class ByConcurrency:
         self.levels[level].add(value)
         self.updated[level] = now
 
-    def _measured(self) -> list[tuple[int, float]]:
+    def _known(self) -> list[tuple[int, float]]:
         now = self.clock()
-        measured = {b: e.value for b, e in self.levels.items() if e.value is not None}
-        fresh = sorted((b, v) for b, v in measured.items() if now - self.updated.get(b, now) <= self.max_age_s)
+        known = {b: e.value for b, e in self.levels.items() if e.value is not None}
+        fresh = sorted((b, v) for b, v in known.items() if now - self.updated.get(b, now) <= self.max_age_s)
         if not fresh:
-            return sorted(measured.items())  # nothing newer to fade toward
+            return sorted(known.items())  # nothing newer to fade toward
         out = dict(fresh)
-        for b, v in measured.items():
+        for b, v in known.items():
             if b not in out:
                 expected = _interpolate(fresh, b)
                 weight = 0.5 ** ((now - self.updated[b] - self.max_age_s) / self.half_life_s)
@@ -83,27 +83,27 @@ class ByConcurrency:
         return sorted(out.items())
 
     def at(self, concurrency: float, prior: float) -> float:
-        measured = self._measured()
-        if not measured:
+        known = self._known()
+        if not known:
             return prior * (1 + BATCH_COST * (max(1.0, concurrency) - 1))
-        return _interpolate(measured, concurrency)
+        return _interpolate(known, concurrency)
 
     def snapshot(self) -> dict[int, float | None]:
         """Every level's value as `at` uses it (a stale one faded)."""
-        live = dict(self._measured())
+        live = dict(self._known())
         return {b: _round(live.get(b)) for b in sorted(self.levels)}
 
 
-def _interpolate(measured: list[tuple[int, float]], concurrency: float) -> float:
-    """Between measured levels: linear; below the lowest: the lowest's; above the highest: each
+def _interpolate(known: list[tuple[int, float]], concurrency: float) -> float:
+    """Between observed levels: linear; below the lowest: the lowest's; above the highest: each
     added sequence adds BATCH_COST of the highest's cost again."""
     c = max(1.0, concurrency)
-    if c <= measured[0][0]:
-        return measured[0][1]
-    for (b0, v0), (b1, v1) in zip(measured, measured[1:]):
+    if c <= known[0][0]:
+        return known[0][1]
+    for (b0, v0), (b1, v1) in zip(known, known[1:]):
         if c <= b1:
             return v0 + (v1 - v0) * (c - b0) / (b1 - b0)
-    top, value = measured[-1]
+    top, value = known[-1]
     return value * (1 + BATCH_COST * (c / top - 1))
 
 
@@ -145,7 +145,7 @@ class ModelEstimates:
         return per_token * prompt_tokens + (self.overhead_ms.value or 0.0)
 
     def expected_tokens(self, max_tokens: int) -> float:
-        # Until a few completions are measured, assume half the budget is used.
+        # Until a few completions are observed, assume half the budget is used.
         fraction = self.output_fraction.value if self.output_fraction.samples >= 3 else PRIOR_OUTPUT_FRACTION
         return max(1.0, fraction * max_tokens)
 
@@ -154,7 +154,7 @@ class ModelEstimates:
         return self.itl.at(concurrency, self.prior_itl_ms)
 
     def step_ms(self, concurrency: float) -> float:
-        """One engine step with this many sequences in flight (until measured: one ITL)."""
+        """One engine step with this many sequences in flight (until observed: one ITL)."""
         if not self.step.levels:
             return self.itl_ms(concurrency)
         return max(self.itl_ms(concurrency), self.step.at(concurrency, self.prior_itl_ms))

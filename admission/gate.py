@@ -237,7 +237,7 @@ class AdmissionGate:
         if not idle_box and not self._idle(t.model_id):
             return False
         if self.estimates[t.model_id].itl.levels == {}:
-            return True  # nothing measured yet: try it, and learn
+            return True  # nothing observed yet: try it, and learn
         first_ms, _ = self._service_ms(t, self.concurrency() + 1)
         first_ms += self._prefills_ahead_ms(now, t.model_id)
         if t.deadline is not None and now + first_ms / 1000 > t.deadline:

@@ -1,7 +1,7 @@
-"""Where a `model: auto` request runs: one decision, from the router's verdict and measured state.
+"""Where a `model: auto` request runs: one decision, from the router's verdict and observed state.
 
 The router judges difficulty (router/). Admission knows what the router can't: each model's
-predicted wait, first token and finish from live state and its own measured speeds (the gate's
+predicted wait, first token and finish from live state and its own observed speeds (the gate's
 `predicted`), the request's tier and deadlines, and which tenants crowd a model. `ModelChoice`
 takes the router's model and the other one and keeps it or moves it, for one reason; the rules,
 in the order they apply:
@@ -31,7 +31,7 @@ from admission.gate import AdmissionGate, Ticket
 
 # The large model keeps a request (in a tier that allows downgrade) when its first token is
 # predicted with this much to spare, else the small model takes it if it has as much. An
-# upgrade to the large model needs as much: measured first tokens come late against their
+# upgrade to the large model needs as much: observed first tokens come late against their
 # predictions at the tail (docs/admission.md), and a move made on a close call is often wrong.
 DOWNGRADE_TTFT_HEADROOM = 1.5
 

@@ -157,7 +157,7 @@ class SpeculativeConfig(Strict):
     ngram_min: int = Field(2, ge=1)
     ngram_max: int = Field(4, ge=1)
     use_hints: bool = Field(True, description="draft from request hints (semantic-cache near misses) first")
-    prior_acceptance: float = Field(0.7, gt=0, lt=1, description="acceptance assumed before any is measured")
+    prior_acceptance: float = Field(0.7, gt=0, lt=1, description="acceptance assumed before any is observed")
 
     @model_validator(mode="after")
     def _needs_draft(self) -> "SpeculativeConfig":

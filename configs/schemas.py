@@ -113,12 +113,12 @@ class SemanticConfig(_Strict):
     )
     embed_precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="MiniLM's one-text pass (cache lookups, the router): auto takes bfloat16 where, measured at "
+        description="MiniLM's one-text pass (cache lookups, the router): auto takes bfloat16 where, observed at "
         "load, it is faster and within cosine 0.9995 of float32 (CPUs with AVX512-BF16 or AMX)",
     )
     embed_runtime: Literal["auto", "onnxruntime", "torch"] = Field(
         "auto",
-        description="what runs that pass: auto takes onnxruntime (float32) where, measured at load, it gives "
+        description="what runs that pass: auto takes onnxruntime (float32) where, timed at load, it gives "
         "sentence-transformers' vector (cosine 0.99999) in at most 0.85x the time of torch's pick (AVX2-only "
         "CPUs, typically); onnxruntime runs float32 only",
     )
@@ -225,8 +225,8 @@ class AdmissionConfig(_Strict):
         default_factory=dict, description="by tenant id (`python -m admission.tenant KEY` prints a key's id); "
         "`default` applies to every tenant not listed"
     )
-    prior_itl_ms: float = Field(60.0, gt=0, description="decode ms/token assumed until measured")
-    prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until measured")
+    prior_itl_ms: float = Field(60.0, gt=0, description="decode ms/token assumed until observed")
+    prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until observed")
     safety: float = Field(
         1.1, ge=1.0, description="predicted decode times (the end-to-end part, which no feedback calibrates) are "
         "multiplied by this; a first token's prediction is calibrated at the median per model, and its margin is "
@@ -249,7 +249,7 @@ class AdmissionConfig(_Strict):
     estimate_half_life_s: float = Field(
         90.0, gt=0, description="how fast a stale estimate fades: its log-distance from the extrapolation "
         "halves this often (short: a slow spell is forgotten sooner; long: a burst after a quiet spell is "
-        "priced by what the last burst measured)",
+        "priced by what the last burst observed)",
     )
 
     @model_validator(mode="after")

@@ -81,7 +81,7 @@ class SemanticCache:
 
     async def stats(self) -> dict:
         embedding = {}
-        if (e := self.embedder) is not None:  # which pass the lookups run, and why (measured at load)
+        if (e := self.embedder) is not None:  # which pass the lookups run, and why (timed at load)
             embedding = {"embed_precision": e.precision, "embed_bf16_check": e.bf16_check,
                          "embed_runtime": e.runtime, "embed_onnx_check": e.onnx_check}
         lookups_by = {"lookups_by_handle": self._doors["handle"], "lookups_by_channel": self._doors["channel"]}

@@ -4,7 +4,7 @@ that masks every logits row a request chooses from, on xgrammar.
 xgrammar (what vLLM and SGLang use) was picked over llguidance: both mask a 49k-token
 vocabulary cheaply in steady state, but llguidance's first mask of a new grammar takes far
 longer, and xgrammar ships the tool-call formats (structural tags) the ingress
-renders tools with. docs/api.md has the measured cost per token.
+renders tools with. docs/api.md has the cost per token.
 
 A request's `GrammarState` follows its emitted tokens. Speculation stays lossless: row i of a
 verify pass is masked as the grammar stands after drafts[:i] (the drafts are accepted into the

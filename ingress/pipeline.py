@@ -337,7 +337,7 @@ class Pipeline:
 
     def _time_first_chunk(self, p: Prepared, first: GenerateChunk, first_at: float) -> None:
         """From the model call to its first chunk: the replica's queue and prefill as it
-        measured them, the rest is the hop there and back; the replica's details inside each
+        observed them, the rest is the hop there and back; the replica's details inside each
         (engine_queue.*, hop.in, prefill.*); its inner counts for admins only."""
         clock = p.clock
         p.engine_queue_ms = first.timings_ms.get("engine_queue", 0.0)

@@ -14,7 +14,7 @@ answer stays below `max_error_rate`:
   served unverified at similarity <= s (its neighbourhood is known to hold a different answer).
 - **Exploration:** a fraction `explore_rate` of the candidates it would serve are verified anyway,
   so labels keep coming above the threshold, and the rate of wrong answers it would have served
-  stays measured (`stats`).
+  stays observed (`stats`).
 
 This follows verified semantic caching with learned, per-prompt thresholds under a user-set
 error bound (Schroeder et al., "vCache: Verified Semantic Prompt Caching", 2025), simplified to a

@@ -63,9 +63,9 @@ class CostModel:
         self.draft_per_token = Ema(draft_ms_per_token)
         self.draft_prefill_per_token = draft_prefill_ms_per_token  # a draft catching up on context
         self.prior_acceptance = prior_acceptance
-        self.acceptance_priors = dict(acceptance_priors or {})  # per drafter, measured (else the prior)
+        self.acceptance_priors = dict(acceptance_priors or {})  # per drafter, observed (else the prior)
         self.acceptance: dict[str, Acceptance] = {}
-        # As measured at start-up (the EMAs above then follow live rounds).
+        # As timed at start-up (the EMAs above then follow live rounds).
         self.calibrated = {
             "verify_ms_by_tokens": [round(v.value, 1) for v in self.verify],
             "draft_ms_per_token": round(draft_ms_per_token, 2),

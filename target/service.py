@@ -15,7 +15,7 @@ when more are waiting than `max_batch_size`). A new request's prefill joins the 
 and its first decode step joins the next batch; a finished request leaves at once. A request
 alone speculates. When several wait, `StepModeChooser` prices a batched plain step (the weights
 read once for all, a token each) against a speculative round each in turn (several tokens per
-round) from what this replica measured, and takes the cheaper per token: on a small CPU box,
+round) from what this replica observed, and takes the cheaper per token: on a small CPU box,
 turns for a few requests, batching for more.
 
 An engine without batching (llama.cpp) runs each sequence's decode step as its own worker job,

@@ -29,13 +29,13 @@ from target.adaptive import Ema
 
 
 class StepModeChooser:
-    PROBE_EVERY = 24  # turns in a row before a close batch estimate is re-measured
+    PROBE_EVERY = 24  # turns in a row before a close batch estimate is re-timed
     PROBE_MARGIN = 1.5  # ... close: within this factor of the turns' ms per token
     SWITCH_MARGIN = 1.1  # the other mode must be this much cheaper per token to switch
     ROUND_TOKENS = 4.0  # tokens per speculative round, to weigh speculating against plain requests
 
     def __init__(self, batch_ms_prior: dict[int, float], max_batch: int, turn_token_ms: Callable[[], float]) -> None:
-        """`batch_ms_prior`: ms of a plain step of n sequences, measured at a few n (1 included);
+        """`batch_ms_prior`: ms of a plain step of n sequences, observed at a few n (1 included);
         `turn_token_ms`: the live ms per token of a request speculating on its own."""
         assert 1 in batch_ms_prior
         self.max_batch = max_batch
@@ -81,7 +81,7 @@ class StepModeChooser:
 
 
 def _interpolate(points: dict[int, float], n: int) -> float:
-    """Piecewise-linear through the measured sizes; beyond the largest, the last slope goes on."""
+    """Piecewise-linear through the observed sizes; beyond the largest, the last slope goes on."""
     xs = sorted(points)
     if n in points:
         return points[n]

@@ -45,10 +45,10 @@ class StepQueue:
             return waiting, False
 
     def put_back(self, steps: list[Step]) -> bool:
-        """Steps a job did not get to (a prompt went ahead of them): they keep their place at the
-        front. True when the caller must schedule a job for them: one runner at most, since the
-        requests answered meanwhile may have scheduled one, and a second would run a turn ahead
-        of each later prompt, multiplying with every cut."""
+        """Steps a job leaves for later because a prompt goes ahead of them: they keep their place
+        at the front. True when the caller must schedule a job for them. One runner at most: the
+        requests answered in the meantime may have scheduled one, and a second would run a turn
+        ahead of each later prompt."""
         with self._lock:
             self._pending = [*steps, *self._pending]
             schedule, self._scheduled = not self._scheduled, True

@@ -32,7 +32,7 @@ class StageClock:
 
     def stage_parts(self, parts: list[tuple[str, float]], rest: str, end: float | None = None) -> None:
         """Close the interval since the previous stage as several stages: `parts` with durations
-        measured elsewhere (ms, e.g. by the model replica), the remainder as `rest` (the hop).
+        observed elsewhere (ms, e.g. by the model replica), the remainder as `rest` (the hop).
         The remainder is split around the parts (half out, half back) as a call's hops are.
         A part longer than the time left (it began before the previous stage ended: a prefill
         started beside the cache lookup) is cut to fit, and `<part>.whole` says how long it was."""
@@ -61,7 +61,7 @@ class StageClock:
         return end
 
     def details_within(self, start: float, end: float, parts: list[tuple[str, float]]) -> None:
-        """Details measured elsewhere (ms, e.g. inside the cache replica), laid back to back in
+        """Details observed elsewhere (ms, e.g. inside the cache replica), laid back to back in
         the middle of the call [start, end] that contained them: the rest is the hop out and back."""
         total = sum(max(0.0, ms) for _, ms in parts) / 1000
         t = start + max(0.0, (end - start) - total) / 2
@@ -71,7 +71,7 @@ class StageClock:
             t += dur
 
     def details_in_stage(self, stage: str, parts: list[tuple[str, float]]) -> None:
-        """Details measured elsewhere (ms) that explain the last `stage`, laid inside it."""
+        """Details observed elsewhere (ms) that explain the last `stage`, laid inside it."""
         for name, start, end in reversed(self.stages):
             if name == stage:
                 self.details_within(start, end, parts)
