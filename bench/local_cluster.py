@@ -126,7 +126,10 @@ def lose_a_node_under_load(
         n = 0
         while not stop.is_set():
             sent = time.monotonic()
-            status = ask(i, n)
+            try:
+                status = ask(i, n)
+            except Exception as exc:  # a client that breaks counts as a lost request, not a quiet thread
+                status = f"client raised {type(exc).__name__}"
             outcomes.append((sent, time.monotonic(), status))
             n += 1
 

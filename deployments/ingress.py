@@ -26,7 +26,7 @@ from ingress.api import build_api
 from ingress.direct import DirectListener
 from ingress.errors import APIError
 from ingress.accounting import RequestAccounting
-from ingress.inflight import ModelStream
+from ingress.model_calls import ModelStream
 from ingress.pipeline import Pipeline
 from ingress.readiness import Readiness
 from ingress.prompts import PromptBuilder

@@ -24,7 +24,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ingress.errors import bad_request
 from ingress.prepare import Prepared
 from ingress.responses import usage
-from telemetry.clock import StageClock
 
 
 def clones(p: Prepared, n: int) -> list[Prepared]:
@@ -36,10 +35,7 @@ def clones(p: Prepared, n: int) -> list[Prepared]:
             p,
             ctx=dataclasses.replace(p.ctx, request_id=f"{p.ctx.request_id}-{i}"),
             sampling=dataclasses.replace(p.sampling, seed=seed),
-            features=dataclasses.replace(p.features),
             cache_key=None, scope=None, query=None,
-            prompt_ids=list(p.prompt_ids), lookup_done=asyncio.Event(), notes=dict(p.notes),
-            clock=StageClock(), ticket=None, logprobs=None,
         ))
     return out
 

@@ -7,17 +7,67 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
 
 from configs.schemas import AppArgs
 from engines.types import GenerateChunk, GenerateRequest
 from ingress.coalescing import Flights
 from ingress.errors import APIError, describe
-from ingress.inflight import ModelStream, Permit, ReplicaFailed
-from ingress.prepare import Prepared, reshaped
+from ingress.placement import Permit
+from ingress.prepare import Prepared
 from router.load import LoadTracker
 from telemetry.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
+
+
+class ModelStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[GenerateChunk]: ...
+    async def __anext__(self) -> GenerateChunk: ...
+    def cancel(self) -> None: ...  # never raises: it runs in cleanup paths
+
+
+# Ray's "the actor is gone" errors, by name so the ingress needs no Ray: RayActorError and its
+# ActorDiedError, and ActorUnavailableError (unreachable, being replaced). Another way to a
+# replica says so with a true `replica_gone` class attribute.
+_REPLICA_GONE = {"RayActorError", "ActorDiedError", "ActorUnavailableError"}
+
+
+def replica_gone(exc: BaseException) -> bool:
+    return getattr(type(exc), "replica_gone", False) or any(cls.__name__ in _REPLICA_GONE for cls in type(exc).__mro__)
+
+
+class ReplicaFailed(APIError):
+    """The model replica failed under the request (a 503): safe to retry until output was sent."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(503, f"the model replica failed: {type(exc).__name__}", code="backend_error")
+        self.replica_gone = replica_gone(exc)
+
+
+@dataclass
+class Call:
+    """One request's call to a model, written by ModelCalls alone: the stream it reads, whether
+    it follows an identical request's generation or was sent again, and what its chunks said."""
+
+    model_id: str
+    request: GenerateRequest  # what was sent
+    permit: Permit  # the admission slot it runs under
+    stream: ModelStream | None = None
+    coalesced: bool = False  # follows an identical generation already in flight
+    retried: bool = False  # a model replica died under it and it was sent again
+    decode_chunks: int = 0  # chunks with tokens after the first: the engine steps it took
+    logprobs: list | None = None  # a non-streamed answer's token log-probabilities, when asked
+    engine_queue_ms: float = 0.0  # the model replica's queue, from its first chunk
+    prefill_ms: float | None = None  # ... and its prefill
+    first_at: float = 0.0  # perf_counter() at its first chunk
+
+    def cancel(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+            self.stream = None
 
 
 class ModelCalls:
@@ -28,25 +78,25 @@ class ModelCalls:
         self.metrics = metrics
         self.flights = Flights()
 
-    def start(self, model_id: str, request: GenerateRequest, p: Prepared, permit: Permit) -> ModelStream:
+    def start(self, model_id: str, request: GenerateRequest, p: Prepared, permit: Permit) -> Call:
         """Start generating, or join an identical generation already in flight (a follower adds
         no load to the model)."""
+        call = Call(model_id, request, permit)
         # no-cache asks for a fresh answer: it neither reads the cache nor joins a flight.
-        if (
-            p.cache_key is None or p.ctx.no_cache or not self.args.cache.coalesce or request.draft_hint_ids
-            or reshaped(p)
-        ):
-            stream = self.backends.generate(model_id, request)
+        if p.cache_key is None or p.ctx.no_cache or not self.args.cache.coalesce or request.draft_hint_ids or p.reshaped:
+            call.stream = self.backends.generate(model_id, request)
         else:
-            stream, p.coalesced = self.flights.join(
+            call.stream, call.coalesced = self.flights.join(
                 f"{model_id}:{p.cache_key}", lambda: self.backends.generate(model_id, request)
             )
-        if not p.coalesced:
+        if not call.coalesced:
             permit.count_on(self.load, model_id)
-        return stream
+        return call
 
-    async def next(self, stream: ModelStream, p: Prepared) -> GenerateChunk:
+    async def next(self, call: Call, p: Prepared) -> GenerateChunk:
         """The next chunk, within the request's remaining time; model failures become 503/504."""
+        stream = call.stream
+        assert stream is not None
         remaining = p.ctx.remaining_s(self.args.ingress.request_timeout_s)
         try:
             return await asyncio.wait_for(stream.__anext__(), timeout=max(0.001, remaining))
@@ -62,49 +112,52 @@ class ModelCalls:
             log.warning("model call failed: %s", describe(exc, with_message=self.args.ingress.log_prompts))
             raise ReplicaFailed(exc) from None
 
-    async def collect(self, first: GenerateChunk, stream: ModelStream, p: Prepared) -> tuple[str, GenerateChunk]:
+    def first(self, call: Call, chunk: GenerateChunk) -> None:
+        """The first chunk arrived: the replica's queue and prefill, as it observed them."""
+        call.first_at = time.perf_counter()
+        call.engine_queue_ms = chunk.timings_ms.get("engine_queue", 0.0)
+        call.prefill_ms = chunk.timings_ms.get("prefill")
+
+    async def collect(self, first: GenerateChunk, call: Call, p: Prepared) -> tuple[str, GenerateChunk]:
         """The rest of a non-streamed answer: its text and its last chunk."""
         parts, chunk = [first.text], first
-        p.logprobs = list(first.logprobs) if first.logprobs is not None else None
+        call.logprobs = list(first.logprobs) if first.logprobs is not None else None
         last_at = time.perf_counter()
         while chunk.finish_reason is None:
-            chunk = await self.next(stream, p)
-            last_at = self.token_gap(p, chunk, last_at)
+            chunk = await self.next(call, p)
+            last_at = self.token_gap(call, chunk, last_at)
             parts.append(chunk.text)
-            if p.logprobs is not None and chunk.logprobs:
-                p.logprobs.extend(chunk.logprobs)
+            if call.logprobs is not None and chunk.logprobs:
+                call.logprobs.extend(chunk.logprobs)
         return "".join(parts), chunk
 
-    def token_gap(self, p: Prepared, chunk: GenerateChunk, last_at: float) -> float:
+    def token_gap(self, call: Call, chunk: GenerateChunk, last_at: float) -> float:
         """Inter-token latency of a chunk, as the ingress saw it arrive; returns its arrival."""
         now = time.perf_counter()
         if chunk.num_tokens:
-            p.decode_chunks += 1
+            call.decode_chunks += 1
         if self.metrics is not None and chunk.num_tokens:
-            self.metrics.tokens(p.model, now - last_at, chunk.num_tokens)
+            self.metrics.tokens(call.model_id, now - last_at, chunk.num_tokens)
         return now if chunk.num_tokens else last_at
 
-    async def retry(
-        self, p: Prepared, model_id: str, request: GenerateRequest, permit: Permit, err: ReplicaFailed
-    ) -> tuple[ModelStream, GenerateChunk]:
+    async def retry(self, call: Call, p: Prepared, err: ReplicaFailed) -> GenerateChunk:
         """Once, and only when the replica died (a crash, a kill, a lost node) and nothing reached
         the client: an error the model raised itself would only repeat."""
-        if p.retried or not err.replica_gone:
+        if call.retried or not err.replica_gone:
             raise err
-        p.retried = True
-        log.warning("model replica of %s died under request %s; retrying once", model_id, p.ctx.request_id)
-        return await self.alone(p, model_id, request, permit)
+        call.retried = True
+        log.warning("model replica of %s died under request %s; retrying once", call.model_id, p.ctx.request_id)
+        return await self.alone(call, p)
 
-    async def alone(
-        self, p: Prepared, model_id: str, request: GenerateRequest, permit: Permit
-    ) -> tuple[ModelStream, GenerateChunk]:
+    async def alone(self, call: Call, p: Prepared) -> GenerateChunk:
         """Start this request's own generation (it followed another's, which ended for it)."""
-        if p.coalesced:
-            p.coalesced = False
-            permit.count_on(self.load, model_id)
-        stream = self.backends.generate(model_id, request)
+        call.cancel()
+        if call.coalesced:
+            call.coalesced = False
+            call.permit.count_on(self.load, call.model_id)
+        call.stream = self.backends.generate(call.model_id, call.request)
         try:
-            return stream, await self.next(stream, p)
+            return await self.next(call, p)
         except BaseException:
-            stream.cancel()
+            call.cancel()
             raise

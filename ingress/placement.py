@@ -6,16 +6,18 @@ wait is the router's embedding, bounded by `admission.verdict_wait_ms` on a busy
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from admission.gate import Ticket
+from admission.gate import AdmissionGate, Ticket
 from admission.model_choice import MOVES, ModelChoice
 from admission.policy import AdmissionPolicy
 from configs.schemas import AppArgs
+from ingress.cache_client import CacheClient, CacheState
 from ingress.errors import describe
-from ingress.inflight import Permit
 from ingress.prepare import Prepared
 from router.base import RouteDecision
 from router.factory import make_router
@@ -28,20 +30,60 @@ log = logging.getLogger(__name__)
 RECHECK_S = 0.01
 
 
-def moved(p: Prepared, model_id: str, reason: str) -> RouteDecision:
-    """The request leaves the model the router chose (admission/model_choice.py), saying why in
-    its response headers."""
-    p.notes["x-admission"] = MOVES[reason]
-    return RouteDecision(model_id, reason)
+class Permit:
+    """An admission slot, released exactly once whoever gets there first. `model_load` is the
+    router's in-flight count of the model the request runs on, released with the slot."""
+
+    def __init__(self, gate: AdmissionGate | None, ticket: Ticket | None = None) -> None:
+        self._gate = gate
+        self._ticket = ticket
+        self._released = False
+        self._loads: list[tuple[LoadTracker, str]] = []
+
+    def count_on(self, load: LoadTracker, model_id: str) -> None:
+        """Count the request on `load` (router/load.py's LoadTracker) until the slot is released."""
+        load.started(model_id)
+        self._loads.append((load, model_id))
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            if self._gate is not None and self._ticket is not None:
+                self._gate.release(self._ticket)
+            for load, model_id in self._loads:
+                load.finished(model_id)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Where a request runs, and its slot there: admission's answer."""
+
+    permit: Permit
+    decision: RouteDecision  # the model that answers, and why
+    ticket: Ticket | None  # its admission slot (predictive mode)
+    at: float  # perf_counter() when admitted; model-side times count from here
+
+    def notes(self) -> dict[str, str]:
+        """Response headers: a move off the model the router chose (admission/model_choice.py),
+        and the gate's promise, so a client (and bench load) can hold it to it."""
+        notes = {}
+        if self.decision.reason in MOVES:
+            notes["x-admission"] = MOVES[self.decision.reason]
+        if self.ticket is not None:
+            t = self.ticket
+            notes["x-admission-predicted"] = (
+                f"ttft_ms={(t.first_at - t.arrived) * 1000:.0f}; e2e_ms={(t.finish_at - t.arrived) * 1000:.0f}"
+            )
+        return notes
 
 
 class Placement:
-    def __init__(self, args: AppArgs, admission: AdmissionPolicy, backends, embedder) -> None:
+    def __init__(self, args: AppArgs, admission: AdmissionPolicy, backends, cache: CacheClient) -> None:
         self.args = args
         self.admission = admission
         self.gate = admission.gate
         self.backends = backends
-        self.embedder = embedder  # the classifier's, for requests that skip the cache (the lookup brings one)
+        self.cache = cache  # the request's embedding, for a router that wants one
         self.large, self.small = args.target.engine.model_id, args.draft.engine.model_id
         # Built here even with placement: remote, to know which requests need the embedding.
         self.router = make_router(args.router, self.large, self.small)
@@ -73,36 +115,24 @@ class Placement:
         and shedding. None: the router decides."""
         if not self._auto(p) or not self.choice.only_small(feasible, downgrade=p.tier.downgrade):
             return None
-        return moved(p, self.small, "deadline_downgrade")
+        return RouteDecision(self.small, "deadline_downgrade")
 
-    async def route(self, p: Prepared) -> RouteDecision:
+    async def route(self, p: Prepared, cache: CacheState) -> RouteDecision:
         features = p.features
         try:
             if features.last_user_message and self.router.wants_embedding(features):
-                # Share the cache lookup's embedding (made in the SemanticCache replica): wait
-                # for it rather than encode a second time beside it on a small box.
-                await asyncio.wait_for(p.lookup_done.wait(), self.stage_timeout(p))
-                features.vector = await asyncio.wait_for(self._embed(p), self.stage_timeout(p))
+                vector = await self.cache.embedding(p, cache, self.stage_timeout(p))
+                features = dataclasses.replace(features, vector=vector)
             t = time.perf_counter()
             try:
                 if self.args.router.placement == "inline":
                     return self.router.route(features)
                 return await asyncio.wait_for(self.backends.route(features), self.stage_timeout(p))
             finally:
-                p.clock.detail("route.decide", t)  # the routing itself, beyond the shared embedding
+                cache.clock.detail("route.decide", t)  # the routing itself, beyond the shared embedding
         except Exception as exc:  # router down: the target can answer anything
             log.warning("router failed, using the target model: %s", self._why(exc))
             return RouteDecision(self.large if self._auto(p) else p.requested_model, "router_unavailable")
-
-    async def _embed(self, p: Prepared) -> Any:
-        """The request's embedding: the one the cache lookup brought back, else computed here
-        (the cache was skipped), else None (no embedder in this ingress)."""
-        if p.vector is None and self.embedder is not None:
-            t = time.perf_counter()
-            text = p.query if p.query is not None else p.features.last_user_message
-            p.vector = await self.embedder.embed_async(text)
-            p.clock.detail("lookup.embed", t)
-        return p.vector
 
     async def await_verdict(self, p: Prepared, routing: asyncio.Future, tickets: list[Ticket]) -> RouteDecision | None:
         """Wait for the router `verdict_wait_ms`, and longer only while the box is idle. On a
@@ -124,19 +154,18 @@ class Placement:
             if forced is not None:
                 return forced
             if feasible == [False, True]:
-                raise self.admission.shed_undecided(tickets[0], (time.perf_counter() - p.clock.start) * 1000)
+                raise self.admission.shed_undecided(tickets[0], (time.monotonic() - p.ctx.received) * 1000)
             if not self.idle():
                 # The router's safe choice without an embedding, as when the embedder is down.
                 return RouteDecision(tickets[0].model_id, "router_late")
             wait_s = RECHECK_S
 
-    async def admit(self, p: Prepared, decision: RouteDecision) -> tuple[Permit, RouteDecision]:
+    async def admit(self, p: Prepared, decision: RouteDecision) -> Admitted:
         """Start, queue or shed (503); downgrade to the small model when only it can make the
         deadline and the tier allows it. fifo mode admits everything, in arrival order."""
         decision = self._moved_by_load(p, decision)
         if p.mode == "fifo":
-            p.admitted_at = time.perf_counter()
-            return Permit(None), decision
+            return Admitted(Permit(None), decision, None, time.perf_counter())
         ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
         if self._auto(p) and decision.model_id in (self.large, self.small):
             other = self.small if decision.model_id == self.large else self.large
@@ -144,15 +173,9 @@ class Placement:
             choice = self.choice.choose(ticket, alt, downgrade=p.tier.downgrade)
             ticket = choice.ticket
             if choice.reason is not None:
-                decision = moved(p, ticket.model_id, choice.reason)
+                decision = RouteDecision(ticket.model_id, choice.reason)
         await self.admission.admit(ticket)
-        # The gate's promise, so a client (and bench load) can hold it to it.
-        p.notes["x-admission-predicted"] = (
-            f"ttft_ms={(ticket.first_at - ticket.arrived) * 1000:.0f}; e2e_ms={(ticket.finish_at - ticket.arrived) * 1000:.0f}"
-        )
-        p.ticket = ticket
-        p.admitted_at = time.perf_counter()
-        return Permit(self.gate, ticket), decision
+        return Admitted(Permit(self.gate, ticket), decision, ticket, time.perf_counter())
 
     def _moved_by_load(self, p: Prepared, decision: RouteDecision) -> RouteDecision:
         """An auto request the classifier judged: the threshold moved by live load may send it to

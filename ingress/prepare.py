@@ -5,6 +5,7 @@ to the tier's input budget and the model's context window. Every failure is a 4x
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import threading
@@ -18,7 +19,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from admission.budget import trim_conversation
-from admission.gate import Ticket
 from admission.policy import AdmissionPolicy, Mode
 from admission.request import RequestContext
 from configs.schemas import AppArgs, InputLimits, TierConfig
@@ -33,56 +33,46 @@ from ingress.structured import structured_output
 from ingress.tools import ToolSpec, tool_spec
 from router.base import RouteFeatures
 from semantic_cache.keys import exact_key, scope_key, split_query
-from telemetry.clock import StageClock
-from telemetry.tracing import RequestTrace
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """A validated request on its way through the pipeline. The first group is what the client
-    asked, as the Preparer read it: no stage changes it. The second is what the stages found,
-    each field written by the one stage named beside it (the pipeline's own steps where none is
-    named); the pipeline's response and telemetry read them."""
+    """A validated request: what the client asked, as the Preparer read it, and its prompt's
+    token ids once `Preparer.tokenize` has made them (a new Prepared). No stage changes it: a
+    stage returns what it finds (cache_client.py's CacheState, placement.py's Admitted,
+    model_calls.py's Call), and what the response and telemetry report of it is the request's
+    Record (accounting.py)."""
 
-    # What the client asked (ingress/prepare.py)
     kind: Kind
     ctx: RequestContext
     request: ChatCompletionRequest | CompletionRequest
     requested_model: str
-    sampling: SamplingParams  # max_tokens is fitted by `Preparer.tokenize`, from the prompt's length
+    sampling: SamplingParams  # max_tokens fitted by `Preparer.tokenize`, from the prompt's length
     stream: bool
     include_usage: bool
-    features: RouteFeatures  # `vector` added by placement.py for the router
+    features: RouteFeatures  # prompt_tokens counted by `Preparer.tokenize`
     cache_key: str | None  # None: this request neither reads nor writes the cache
     scope: str | None  # semantic scope (None: exact match only)
     query: str | None  # the last user turn, what the semantic lookup compares
-    tokenize: Callable[[PromptBuilder], list[int]]  # re-tokenize for another model's tokenizer
+    tokenize: Callable[[PromptBuilder], list[int]]  # its prompt in a model's tokens (a routed model's too)
     tier: TierConfig
     mode: Mode
     chars: int = 0  # characters of message content or prompt: how long tokenizing it takes
     system_text: str = ""  # the system (and developer) messages: standing instructions, not the task
     tools: ToolSpec | None = None  # its function tools: prompt, grammar, and tool_calls in the answer
     grammar_param: str | None = None  # the field that asked for sampling.structured, for its 400
-    # What the stages found
-    prompt_ids: list[int] = field(default_factory=list)  # Preparer.tokenize; the pipeline re-tokenizes for a routed model
-    clock: StageClock = field(default_factory=StageClock)  # where its time went: Server-Timing, spans, metrics
-    trace: RequestTrace | None = None  # its spans, when tracing is on and the trace is sampled
-    notes: dict[str, str] = field(default_factory=dict)  # response headers: what the stages changed, each its own key
-    vector: Any = None  # the embedding: cache_client.py's lookup brings it, placement.py makes it without one
-    lookup_done: asyncio.Event = field(default_factory=asyncio.Event)  # cache_client.py: the lookup is over (or skipped)
-    cache_state: str = "none"  # hit / verified / miss / hint / bypass: the pipeline, cache_client.py's hints, a hit's answer
-    verifying: Any = None  # cache_client.py: the semantic match (Lookup) the model is verifying, if any
-    ticket: Ticket | None = None  # placement.py: its admission slot (predictive mode)
-    admitted_at: float = 0.0  # placement.py: perf_counter() when admitted; model-side times count from here
-    model: str = ""  # the model that answers (after routing and admission's moves; the cache's for a hit)
-    route: str = ""  # why: RouteDecision.reason
-    coalesced: bool = False  # model_calls.py: follows an identical generation already in flight
-    retried: bool = False  # model_calls.py: a model replica died under this request and it was sent again
-    decode_chunks: int = 0  # model_calls.py: chunks with tokens after the first, the engine steps it took
-    logprobs: list | None = None  # model_calls.py: a non-streamed answer's token log-probabilities, when asked
-    engine_queue_ms: float = 0.0  # the model replica's queue, from its first chunk
-    prefill_ms: float | None = None  # ... and its prefill
-    streaming: bool = False  # respond.py: the SSE body owns the request's end (its metrics and spans)
+    prompt_ids: list[int] = field(default_factory=list)  # `Preparer.tokenize`, for the requested model
+    notes: tuple[tuple[str, str], ...] = ()  # response headers: what fitting it to its tier changed
+
+    @property
+    def reshaped(self) -> bool:
+        """The tier clamped max_tokens or trimmed the conversation: the answer is not the one the
+        request's cache key names, so it is neither cached nor shared with identical requests."""
+        return any(name in ("x-max-tokens-clamped", "x-context-trimmed") for name, _ in self.notes)
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.ctx.request_id
 
 
 # Prompts longer than this are tokenized (and trimmed) on a worker thread, not on the event
@@ -328,60 +318,63 @@ class Preparer:
         while len(self._converts) > 1024:
             self._converts.popitem(last=False)
 
-    def tokenize(self, p: Prepared) -> None:
-        """Prompt ids and the output budget; 400 when the prompt is empty or can't fit."""
+    def tokenize(self, p: Prepared) -> Prepared:
+        """`p` with its prompt ids and output budget; 400 when the prompt is empty or can't fit."""
         builder = self.prompts[p.requested_model]
-        p.prompt_ids = p.tokenize(builder)
-        if not p.prompt_ids:
+        prompt_ids, tokenize, notes = p.tokenize(builder), p.tokenize, list(p.notes)
+        if not prompt_ids:
             raise bad_request("the prompt is empty", "messages" if p.kind == "chat" else "prompt")
         budget = p.tier.max_input_tokens
-        if budget is not None and len(p.prompt_ids) > budget:
-            self._trim(p, builder, budget)
+        if budget is not None and len(prompt_ids) > budget:
+            kept, dropped, tokens = self._trim(p, builder, budget, len(prompt_ids))
+            tokenize = lambda b: b.chat(kept, p.tools)  # noqa: E731  (a routed model re-tokenizes the trimmed turns)
+            notes.append(("x-context-trimmed", f"dropped_messages={dropped}; tokens={len(prompt_ids)}->{tokens}; "
+                                               f"tier={p.ctx.tier}"))
+            prompt_ids = tokenize(builder)
         vocab = len(builder.tokenizer)
         outside = [t for t, _ in p.sampling.logit_bias if t >= vocab]
         if outside:
             raise bad_request(f"logit_bias: token {outside[0]} is outside this model's vocabulary of {vocab}", "logit_bias")
-        p.sampling.max_tokens = self._output_budget(p.request, len(p.prompt_ids))
-        if p.sampling.min_tokens > p.sampling.max_tokens:
-            raise bad_request(
-                f"min_tokens ({p.sampling.min_tokens}) is more than max_tokens ({p.sampling.max_tokens})", "min_tokens"
-            )
+        max_tokens = self._output_budget(p.request, len(prompt_ids))
+        if p.sampling.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({p.sampling.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
         cap = p.tier.max_output_tokens
-        if cap is not None and p.sampling.max_tokens > cap:
-            p.notes["x-max-tokens-clamped"] = f"{p.sampling.max_tokens}->{cap}; tier={p.ctx.tier}"
-            p.sampling.max_tokens = cap
+        if cap is not None and max_tokens > cap:
+            notes.append(("x-max-tokens-clamped", f"{max_tokens}->{cap}; tier={p.ctx.tier}"))
+            max_tokens = cap
         # The router judges the conversation: a system prompt seen before is an app's standing
         # instructions (and a prefix the engines keep), not a sign of a hard request.
         system = self.standing.tokens(
             p.ctx.tenant, p.system_text, lambda text: len(builder.tokenizer.encode(text, add_special_tokens=False))
         ) if p.system_text else 0
-        p.features.prompt_tokens = max(0, len(p.prompt_ids) - system)
+        return dataclasses.replace(
+            p, prompt_ids=prompt_ids, tokenize=tokenize, notes=tuple(notes),
+            sampling=dataclasses.replace(p.sampling, max_tokens=max_tokens),
+            features=dataclasses.replace(p.features, prompt_tokens=max(0, len(prompt_ids) - system)),
+        )
 
-    def _trim(self, p: Prepared, builder: PromptBuilder, budget: int) -> None:
-        """Over the tier's input budget: drop the oldest turns (never the system prompt or the
-        last message) and say so; a prompt that can't be trimmed to fit is a 400."""
+    def _trim(self, p: Prepared, builder: PromptBuilder, budget: int, tokens: int) -> tuple[list[Any], int, int]:
+        """Over the tier's input budget: the conversation without its oldest turns (never the
+        system prompt or the last message), how many it dropped and its tokens; a prompt that
+        can't be trimmed to fit is a 400."""
         req = p.request
         fitted = None
         if isinstance(req, ChatCompletionRequest):
             fitted = trim_conversation(
                 req.messages, lambda m: m.role, builder.message_tokens(req.messages),
                 lambda ms: len(builder.chat(ms, p.tools)),
-                budget, len(p.prompt_ids),
+                budget, tokens,
             )
         if fitted is None:
             raise bad_request(
                 f"the {p.ctx.tier!r} tier allows {budget} input tokens and "
                 + ("the system prompt plus the last message alone are" if p.kind == "chat" else "the prompt is")
-                + f" over it ({len(p.prompt_ids)} tokens in all; the model's context window is "
+                + f" over it ({tokens} tokens in all; the model's context window is "
                 f"{self.max_model_len[p.requested_model]})",
                 "messages" if p.kind == "chat" else "prompt",
                 "context_length_exceeded",
             )
-        kept, dropped, tokens = fitted
-        p.tokenize = lambda b: b.chat(kept, p.tools)  # noqa: E731  (a routed model re-tokenizes the trimmed turns)
-        before = len(p.prompt_ids)
-        p.prompt_ids = builder.chat(kept, p.tools)
-        p.notes["x-context-trimmed"] = f"dropped_messages={dropped}; tokens={before}->{tokens}; tier={p.ctx.tier}"
+        return fitted
 
     def _output_budget(self, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> int:
         window = self.max_model_len[req.model]
@@ -472,12 +465,3 @@ def _too_complex(param: str, budget: float) -> APIError:
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
-
-def reshaped(p: Prepared) -> bool:
-    """The tier clamped max_tokens or trimmed the conversation: the answer is not the one the
-    request's cache key names, so it is neither cached nor shared with identical requests."""
-    return "x-max-tokens-clamped" in p.notes or "x-context-trimmed" in p.notes
-
-
-def response_id(p: Prepared) -> str:
-    return ("chatcmpl-" if p.kind == "chat" else "cmpl-") + p.ctx.request_id

@@ -15,12 +15,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from admission.policy import AdmissionPolicy
 from configs.schemas import AppArgs
 from engines.types import GenerateChunk
-from ingress.accounting import RequestAccounting
-from ingress.cache_client import CacheClient
+from ingress.accounting import Record, RequestAccounting
+from ingress.cache_client import CacheClient, CacheState
 from ingress.errors import APIError
-from ingress.inflight import InFlight, ModelStream, Permit, ReplicaFailed
-from ingress.model_calls import ModelCalls
-from ingress.prepare import Prepared, response_id
+from ingress.model_calls import Call, ModelCalls, ReplicaFailed
+from ingress.placement import Admitted
+from ingress.prepare import Prepared
 from ingress.responses import SSEWriter, full_response
 from router.base import RouteDecision
 from semantic_cache.cache import Lookup
@@ -38,67 +38,65 @@ class Responder:
         self.accounting = accounting
         self.served_by = served_by  # this ingress replica and its node (x-ingress-replica)
 
-    async def generated(self, p: Prepared, f: InFlight, first: GenerateChunk) -> Response:
+    async def generated(
+        self, p: Prepared, rec: Record, admitted: Admitted, cache: CacheState, call: Call, first: GenerateChunk
+    ) -> Response:
         """The whole answer as JSON, or a stream whose SSE body owns the model call from here."""
-        decision, clock = f.decision, p.clock
-        headers = self.headers(p, decision, p.cache_state)
+        headers = self.headers(p, rec)
         if first.replica:
             headers["x-model-replica"] = first.replica
-        if p.coalesced:
+        if call.coalesced:
             headers["x-coalesced"] = "true"
         if not p.stream:
             try:
-                text, last = await self.calls.collect(first, f.stream, p)
+                text, last = await self.calls.collect(first, call, p)
             except ReplicaFailed as err:  # nothing was sent yet: the whole answer can be redone
-                f.stream = None
-                f.stream, first = await self.calls.retry(p, decision.model_id, f.generate, f.permit, err)
-                text, last = await self.calls.collect(first, f.stream, p)
-            if p.retried:
+                first = await self.calls.retry(call, p, err)
+                text, last = await self.calls.collect(first, call, p)
+            if call.retried:
                 headers["x-retried"] = "1"
-            if p.cache_state in ("verified", "hint"):
+            if rec.cache in ("verified", "hint"):
                 headers["x-cache-accepted"] = _accepted(last)
-            f.stream = None  # finished: nothing left to cancel
-            clock.stage("decode")
-            self._done(p, decision, text, last, f.permit, f.first_at)
-            self.accounting.ended(p, last, 200)
-            clock.stage("respond")
-            headers["server-timing"] = clock.server_timing()
+            call.stream = None  # finished: nothing left to cancel
+            rec.clock.stage("decode")
+            self._done(p, admitted, cache, call, text, last)
+            self.accounting.ended(rec, last, 200)
+            rec.clock.stage("respond")
+            headers["server-timing"] = rec.clock.server_timing()
             body = full_response(
-                p.kind, response_id(p), decision.model_id, text, last.finish_reason or "stop",
-                last.prompt_tokens, last.completion_tokens, p.logprobs, tools=p.tools is not None,
+                p.kind, p.response_id, call.model_id, text, last.finish_reason or "stop",
+                last.prompt_tokens, last.completion_tokens, call.logprobs, tools=p.tools is not None,
             )
             return JSONResponse(body, headers=headers)
-        if p.retried:
+        if call.retried:
             headers["x-retried"] = "1"
-        clock.stage("respond")
-        headers["server-timing"] = clock.server_timing()  # a stream's headers leave with its first token
-        if p.trace is not None:
-            p.trace.stream_from = f.first_at
-        p.streaming = True
-        body_iter = self._sse(p, decision, first, f.stream, f.permit, f.first_at)
-        f.stream = f.permit = None  # from here on the SSE body owns the stream and the permit
+        rec.clock.stage("respond")
+        headers["server-timing"] = rec.clock.server_timing()  # a stream's headers leave with its first token
+        if rec.trace is not None:
+            rec.trace.stream_from = call.first_at
+        rec.streaming = True
+        body_iter = self._sse(p, rec, admitted, cache, call, first)  # from here on it owns the call and the slot
         head = await body_iter.__anext__()  # started: its `finally` now runs even if nobody reads on
         return StreamingResponse(_prepend(head, body_iter), media_type="text/event-stream", headers=headers)
 
-    def cached(self, p: Prepared, found: Lookup) -> Response:
+    def cached(self, p: Prepared, rec: Record, found: Lookup) -> Response:
         """A cache hit, answered now: whole, or replayed as a stream in word-sized pieces."""
         hit = found.response
         assert hit is not None
-        decision = RouteDecision(hit.model_id, "cache")
-        p.model, p.route, p.cache_state = hit.model_id, "cache", "hit"
-        headers = self.headers(p, decision, "hit")
+        rec.decision, rec.cache = RouteDecision(hit.model_id, "cache"), "hit"
+        headers = self.headers(p, rec)
         headers["x-cache-match"] = f"{found.reason};score={found.score or 0:.3f}"
-        p.clock.stage("respond")
-        headers["server-timing"] = p.clock.server_timing()
+        rec.clock.stage("respond")
+        headers["server-timing"] = rec.clock.server_timing()
         if not p.stream:
             body = full_response(
-                p.kind, response_id(p), hit.model_id, hit.text, hit.finish_reason, hit.prompt_tokens, hit.completion_tokens,
+                p.kind, p.response_id, hit.model_id, hit.text, hit.finish_reason, hit.prompt_tokens, hit.completion_tokens,
                 tools=p.tools is not None,
             )
             return JSONResponse(body, headers=headers)
 
         async def replay() -> AsyncIterator[bytes]:
-            writer = SSEWriter(p.kind, response_id(p), hit.model_id, tools=p.tools is not None)
+            writer = SSEWriter(p.kind, p.response_id, hit.model_id, tools=p.tools is not None)
             for piece in _pieces(hit.text, self.args.cache.replay_chunk_words):
                 yield writer.delta(piece)
             yield writer.delta("", hit.finish_reason)
@@ -108,39 +106,39 @@ class Responder:
 
         return StreamingResponse(replay(), media_type="text/event-stream", headers=headers)
 
-    def headers(self, p: Prepared, decision: RouteDecision, cache: str) -> dict[str, str]:
+    def headers(self, p: Prepared, rec: Record) -> dict[str, str]:
         echo = {"x-request-id": p.ctx.client_request_id} if p.ctx.client_request_id else {}
         return {
             **echo,
-            "x-cache": cache,
-            "x-route": decision.header(),
+            "x-cache": rec.cache,
+            "x-route": rec.decision.header() if rec.decision is not None else "",
             "x-slo-tier": p.ctx.tier,
             **({"x-ingress-replica": self.served_by} if self.served_by else {}),
-            **p.notes,
+            **dict(p.notes),
+            **rec.notes,
         }
 
     async def _sse(
-        self, p: Prepared, decision: RouteDecision, first: GenerateChunk, stream: ModelStream, permit: Permit,
-        first_at: float,
+        self, p: Prepared, rec: Record, admitted: Admitted, cache: CacheState, call: Call, first: GenerateChunk
     ) -> AsyncIterator[bytes]:
-        writer = SSEWriter(p.kind, response_id(p), decision.model_id, tools=p.tools is not None)
+        writer = SSEWriter(p.kind, p.response_id, call.model_id, tools=p.tools is not None)
         parts: list[str] = []
         chunk = first
         finished = False
         failed = False
-        last_at = first_at
+        last_at = call.first_at
         try:
             yield writer.delta(chunk.text, logprobs=chunk.logprobs)
             parts.append(chunk.text)
             while chunk.finish_reason is None:
                 try:
-                    chunk = await self.calls.next(stream, p)
+                    chunk = await self.calls.next(call, p)
                 except APIError as err:
                     failed = True
                     yield writer.error(err.message, err.code or "backend_error")
                     yield writer.done()
                     return
-                last_at = self.calls.token_gap(p, chunk, last_at)
+                last_at = self.calls.token_gap(call, chunk, last_at)
                 if chunk.finish_reason is not None:
                     break
                 if chunk.text or chunk.logprobs:
@@ -151,7 +149,7 @@ class Responder:
             finished = True
             tail = chunk.text if chunk is not first else ""  # the first chunk's text went out above
             parts.append(tail)
-            self._done(p, decision, "".join(parts), chunk, permit, first_at)
+            self._done(p, admitted, cache, call, "".join(parts), chunk)
             tail_logprobs = chunk.logprobs if chunk is not first else None
             if tail or tail_logprobs:
                 yield writer.delta(tail, logprobs=tail_logprobs)
@@ -160,34 +158,34 @@ class Responder:
                 yield writer.usage(chunk.prompt_tokens, chunk.completion_tokens)
             yield writer.done()
         finally:
-            permit.release()
+            admitted.permit.release()
             if not finished:
-                stream.cancel()  # the client left: stop the model within one step
+                call.cancel()  # the client left: stop the model within one step
             # 200 went out with the headers; a stream cut short is a 503 (backend) or 499 (client gone).
-            self.accounting.ended(p, chunk if finished else None, 200 if finished else 503 if failed else 499)
+            self.accounting.ended(rec, chunk if finished else None, 200 if finished else 503 if failed else 499)
 
     def _done(
-        self, p: Prepared, decision: RouteDecision, text: str, last: GenerateChunk, permit: Permit, first_at: float
+        self, p: Prepared, admitted: Admitted, cache: CacheState, call: Call, text: str, last: GenerateChunk
     ) -> None:
         """A complete answer: admission learns from it, its slot is freed, the cache stores it."""
-        self._learn(p, last, first_at)
-        permit.release()
-        self.cache.store(p, decision.model_id, text, last)
+        self._learn(admitted, call, last)
+        admitted.permit.release()
+        self.cache.store(p, cache, call.model_id, text, last, shared=call.coalesced)
 
-    def _learn(self, p: Prepared, last: GenerateChunk, first_at: float) -> None:
+    def _learn(self, admitted: Admitted, call: Call, last: GenerateChunk) -> None:
         """A complete answer teaches admission how long this model takes (coalesced followers
         and fifo requests don't: they measure someone else's generation, or no slot)."""
-        if p.ticket is None or p.coalesced or p.retried:
+        if admitted.ticket is None or call.coalesced or call.retried:
             return
         now = time.perf_counter()
         self.admission.observe(
-            p.ticket,
-            ttft_ms=(first_at - p.admitted_at) * 1000,
-            queue_ms=p.engine_queue_ms,
-            prefill_ms=p.prefill_ms,
+            admitted.ticket,
+            ttft_ms=(call.first_at - admitted.at) * 1000,
+            queue_ms=call.engine_queue_ms,
+            prefill_ms=call.prefill_ms,
             completion_tokens=last.completion_tokens,
-            total_ms=(now - p.admitted_at) * 1000,
-            chunks=p.decode_chunks,
+            total_ms=(now - admitted.at) * 1000,
+            chunks=call.decode_chunks,
         )
 
 

@@ -7,6 +7,7 @@ loses no request, and the service answers again once Serve has replaced its repl
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
@@ -41,6 +42,7 @@ def cluster():
         yield handle
 
 
+@functools.cache
 def _model() -> str:
     return load_serve_config(CLUSTER_PROFILE).args.target.engine.model_id
 
@@ -116,6 +118,7 @@ def test_losing_a_model_node_under_load_loses_no_request(cluster):
             return 200 if body["choices"][0]["finish_reason"] in ("stop", "length") else "200 unfinished"
         return resp.status_code if body.get("error", {}).get("message") else f"{resp.status_code} without a message"
 
+    _model()  # loaded once, before the client threads (parsing a Serve config is not thread-safe)
     victim = cluster.node_of("llm", "TargetModel")[0]
     result = lose_a_node_under_load(cluster, ask, victim, recovery_limit_s=RECOVERY_LIMIT_S)
     assert result["lost"] == 0, result

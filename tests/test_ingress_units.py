@@ -10,6 +10,7 @@ import pytest
 from ingress.context import context_from_headers
 from ingress.errors import APIError
 from semantic_cache.exact import CachedResponse
+from telemetry.clock import StageClock
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +83,15 @@ def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
         tokenizer = Tokenizer()
 
     hint = Lookup("hint", CachedResponse("fifteen percent is 45", "stop", 5, 4, target), 0.8)
-    body = {"model": target, "messages": [{"role": "user", "content": "What is 15% of 300?"}]}
+    body = {"model": target, "messages": [{"role": "user", "content": "What is 15% of 300?"}], "temperature": 0}
     p = pipeline.preparer.prepare("chat", body, context_from_headers({}))
-    p.cache_state = "miss"  # as the pipeline's lookup step leaves it
-    assert pipeline.cache.hint_ids(p, small, Builder(), hint) is None and p.cache_state == "miss"
-    assert pipeline.cache.hint_ids(p, target, Builder(), hint) == [7, 7, 2, 2] and p.cache_state == "hint"
+    state = pipeline.cache.state(p, StageClock())
+    assert state.result == "miss"  # it looks up
+    assert pipeline.cache.hint_ids(state, small, Builder(), hint) is None and state.result == "miss"
+    assert pipeline.cache.hint_ids(state, target, Builder(), hint) == [7, 7, 2, 2] and state.result == "hint"
     verify = Lookup("hint", hint.response, 0.93, "verify")  # semantic.mode verify: a match checked as a draft
-    assert pipeline.cache.hint_ids(p, target, Builder(), verify) and p.cache_state == "verified"
-    assert p.notes["x-cache-match"] == "verify;score=0.930"
+    assert pipeline.cache.hint_ids(state, target, Builder(), verify) and state.result == "verified"
+    assert state.match["x-cache-match"] == "verify;score=0.930" and state.verifying is verify
 
 
 def test_cache_key_follows_the_server_default_budget(serve_file):
@@ -119,7 +121,7 @@ def test_a_model_call_refused_at_a_full_serve_queue_is_a_503_with_retry_after_no
     from ray.serve.exceptions import BackPressureError
 
     from deployments.ingress import ServeModelStream
-    from ingress.model_calls import ModelCalls
+    from ingress.model_calls import Call, ModelCalls
 
     class Refused:
         cancelled = 0
@@ -135,7 +137,7 @@ def test_a_model_call_refused_at_a_full_serve_queue_is_a_503_with_retry_after_no
     calls = ModelCalls(args, backends=None, load=None, metrics=None)  # type: ignore[arg-type]
     p = SimpleNamespace(ctx=SimpleNamespace(remaining_s=lambda cap: cap), model="smollm2-135m-instruct")
     with pytest.raises(APIError) as err:
-        asyncio.run(calls.next(ServeModelStream(Refused(), p.model), p))
+        asyncio.run(calls.next(Call(p.model, None, None, ServeModelStream(Refused(), p.model)), p))  # type: ignore[arg-type]
     assert err.value.status == 503 and err.value.code == "model_queue_full"
     assert err.value.headers["Retry-After"] == "1" and err.value.extra["model"] == p.model
     assert Refused.cancelled == 1

@@ -16,6 +16,7 @@ from router.dataset import CATEGORIES, examples, fingerprint
 from router.learned import ClassifierRouter
 from router.load import LoadTracker
 from router.rules import RuleRouter
+from telemetry.clock import StageClock
 
 
 def test_labeled_set_is_deterministic_and_held_out_by_template():
@@ -110,6 +111,7 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
     """The router waits for the cache lookup and routes on the embedding it brought back; a
     request that skips the cache has its embedding made in the ingress, once."""
     from ingress.context import context_from_headers
+    from ingress.accounting import Record
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
     from semantic_cache.cache import Lookup
@@ -138,17 +140,17 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
     async def both(question: str, headers: dict) -> tuple:
         body = {"model": "auto", "messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0}
         p = pipeline.preparer.prepare("chat", body, context_from_headers(headers))
-        pipeline.preparer.tokenize(p)
-        if p.cache_key is None or p.ctx.no_cache:
-            p.lookup_done.set()
-            return None, await pipeline.placement.route(p), p
-        found, decision = await asyncio.gather(pipeline.cache.lookup(p, 5.0), pipeline.placement.route(p))
-        return found, decision, p
+        p = pipeline.preparer.tokenize(p)
+        cache = pipeline.cache.state(p, StageClock())
+        if cache.result == "bypass":
+            return None, await pipeline.placement.route(p, cache), cache.clock
+        found, decision = await asyncio.gather(pipeline.cache.lookup(p, cache, 5.0), pipeline.placement.route(p, cache))
+        return found, decision, cache.clock
 
-    found, decision, p = asyncio.run(both("What is the capital of Kenya?", {}))
+    found, decision, clock = asyncio.run(both("What is the capital of Kenya?", {}))
     assert found.outcome == "miss" and decision.reason == "classifier_easy"
     assert counting.texts == ["What is the capital of Kenya?"], "one embedding, shared"
-    assert p.clock.ms("route.decide") is not None and p.clock.ms("lookup.embed") is not None
+    assert clock.ms("route.decide") is not None and clock.ms("lookup.embed") is not None
     _, decision, _ = asyncio.run(both("Prove that there are infinitely many primes.", {"cache-control": "no-cache"}))
     assert decision.reason == "classifier_hard" and len(counting.texts) == 2
 
@@ -163,6 +165,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
 
     from admission.gate import Ticket
     from ingress.context import context_from_headers
+    from ingress.accounting import Record
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
     from semantic_cache.cache import Lookup
@@ -192,7 +195,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
                 "max_tokens": 100, "temperature": 0}  # within the small model's limits: the classifier decides
         p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
         with pytest.raises(AdmissionError) as shed:
-            await pipeline.serve(p)
+            await pipeline.serve(pipeline.preparer.tokenize(p), Record())
         return shed.value
 
     err = asyncio.run(serve())
@@ -203,24 +206,25 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     assert pipeline.gate.rejected == {"deadline_unmeetable": 1}
 
     async def verdict(make_routing, headers: dict | None = None, max_tokens: int = 100) -> tuple:
-        """An interactive auto request (downgrade allowed) waiting on `make_routing(p)`:
+        """An interactive auto request (downgrade allowed) waiting on `make_routing(p, cache)`:
         (what await_verdict decided, whether the router had answered by then, the request)."""
         ctx = context_from_headers({"x-request-deadline-ms": "4000", "x-slo-tier": "interactive", **(headers or {})})
         tier = pipeline.admission.tier(ctx)
         body = {"model": "auto", "messages": [{"role": "user", "content": "What is the capital of Kenya?"}],
                 "max_tokens": max_tokens, "temperature": 0}
         p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
-        pipeline.preparer.tokenize(p)
-        p.lookup_done.set()  # the lookup is not under test: a router goes straight to its embedding
+        p = pipeline.preparer.tokenize(p)
+        cache = pipeline.cache.state(p, StageClock())
+        cache.done.set()  # the lookup is not under test: a router goes straight to its embedding
         tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), max_tokens) for m in (large, small)]
-        routing = make_routing(p)
+        routing = make_routing(p, cache)
         await asyncio.sleep(0)  # a real router starts its embedding
         forced = await pipeline.placement.await_verdict(p, routing, tickets)
         answered = routing.done()
         routing.cancel()
         return forced, answered, p
 
-    def never(p):  # a router that does not answer
+    def never(p, cache):  # a router that does not answer
         return asyncio.get_running_loop().create_future()
 
     # The same request in a tier that allows downgrade: the small model, without the verdict.
@@ -240,7 +244,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
 
     # Nothing runs: no one can take the slot meanwhile, so the verdict is worth waiting for.
     pipeline.gate.running.discard(other)
-    forced, answered, _ = asyncio.run(verdict(lambda p: asyncio.ensure_future(asyncio.sleep(0.12))))  # answers late
+    forced, answered, _ = asyncio.run(verdict(lambda p, cache: asyncio.ensure_future(asyncio.sleep(0.12))))  # answers late
     assert forced is None and answered, "an idle box waited past verdict_wait_ms for the router's answer"
     pipeline.gate.running.add(other)
 
@@ -249,9 +253,10 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         # is slow; after verdict_wait_ms the request commits to the large model, the router's
         # safe choice, and admission takes it from there.
         slow = _SlowEmbedder(embedder, 1.0)
-        pipeline.placement.embedder = slow
-        forced, answered, p = await verdict(lambda p: asyncio.ensure_future(pipeline.placement.route(p)), {"cache-control": "no-cache"}, 8)
-        permit, decision = await pipeline.placement.admit(p, forced)
+        pipeline.cache.embedder = slow
+        forced, answered, p = await verdict(lambda p, cache: asyncio.ensure_future(pipeline.placement.route(p, cache)), {"cache-control": "no-cache"}, 8)
+        admitted = await pipeline.placement.admit(p, forced)
+        permit, decision = admitted.permit, admitted.decision
         permit.release()
         return forced, decision, answered, slow.calls
 
@@ -291,6 +296,7 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
     target. In a tier that allows downgrade, the small model takes it instead when it can
     answer in time; a named model is never moved."""
     from ingress.context import context_from_headers
+    from ingress.accounting import Record
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
@@ -308,11 +314,12 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
         body = {"model": model, "messages": [{"role": "user", "content": "Summarize this. " + "The sea is blue. " * 20}],
                 "max_tokens": 16, "temperature": 0}
         p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
-        pipeline.preparer.tokenize(p)
+        p = pipeline.preparer.tokenize(p)
         assert len(p.prompt_ids) > 60
         ticket = pipeline.admission.ticket(large, ctx, tier, len(p.prompt_ids), 16)
         late = not pipeline.gate.in_time(ticket) and pipeline.gate.would_meet(ticket)
-        permit, decision = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard"))
+        admitted = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard"))
+        permit, decision = admitted.permit, admitted.decision
         permit.release()
         return decision.model_id, decision.reason, late
 
@@ -323,6 +330,7 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
 def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rather_than_a_503(serve_file, tokenizer, embedder):
     from admission.gate import Ticket
     from ingress.context import context_from_headers
+    from ingress.accounting import Record
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
@@ -342,10 +350,11 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
         body = {"model": model, "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
                 "max_tokens": 16, "temperature": 0}
         p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
-        pipeline.preparer.tokenize(p)
-        permit, decision = await pipeline.placement.admit(p, RouteDecision(small, "classifier_easy"))
+        p = pipeline.preparer.tokenize(p)
+        admitted = await pipeline.placement.admit(p, RouteDecision(small, "classifier_easy"))
+        permit, decision = admitted.permit, admitted.decision
         permit.release()
-        return decision.model_id, decision.reason, p.notes.get("x-admission", "")
+        return decision.model_id, decision.reason, admitted.notes().get("x-admission", "")
 
     model, reason, note = asyncio.run(admit("auto"))
     assert (model, reason) == (large, "deadline_upgrade") and note.startswith("upgraded")
@@ -358,7 +367,7 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     ctx = context_from_headers({"x-slo-tier": "interactive"})
     p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
                                    "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx), "predictive")
-    pipeline.preparer.tokenize(p)
+    p = pipeline.preparer.tokenize(p)
     per_token = 750.0 / pipeline.gate.safety / len(p.prompt_ids)
     for level in (1, 2):
         pipeline.admission.estimates[large].prefill_ms_per_token.add(level, per_token)
@@ -375,6 +384,7 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
     box, or the mechanism off keep the router's choice."""
     from admission.gate import Ticket
     from ingress.context import context_from_headers
+    from ingress.accounting import Record
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
@@ -399,13 +409,14 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
         p = pipeline.preparer.prepare("chat", {"model": model, "messages": [{"role": "user", "content": "Why is the sky blue?"}],
                                                "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
                                       "predictive")
-        pipeline.preparer.tokenize(p)
+        p = pipeline.preparer.tokenize(p)
 
         async def go():
-            permit, decision = await asyncio.wait_for(pipeline.placement.admit(p, RouteDecision(model if model != "auto" else large,
+            admitted = await asyncio.wait_for(pipeline.placement.admit(p, RouteDecision(model if model != "auto" else large,
                                                                                         "classifier_hard")), 5)
+            permit, decision = admitted.permit, admitted.decision
             permit.release()
-            return decision.model_id, decision.reason, p.notes.get("x-admission", "")
+            return decision.model_id, decision.reason, admitted.notes().get("x-admission", "")
         return asyncio.run(go())
 
     two = pipeline_with(2)
@@ -426,10 +437,11 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
         ctx = context_from_headers({})
         p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "Why?"}],
                                                "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx), mode)
-        pipeline.preparer.tokenize(p)
+        p = pipeline.preparer.tokenize(p)
 
         async def go():
-            permit, decision = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard", p_hard, 0.5))
+            admitted = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard", p_hard, 0.5))
+            permit, decision = admitted.permit, admitted.decision
             permit.release()
             return decision.model_id, decision.reason
         return asyncio.run(go())
@@ -459,6 +471,7 @@ def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats
     the large model is free, so it starts on the large one now instead of waiting for a seat."""
     from admission.gate import Ticket
     from ingress.context import context_from_headers
+    from ingress.accounting import Record
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
@@ -478,8 +491,9 @@ def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats
         p = pipeline.preparer.prepare("chat", {"model": model, "messages": [{"role": "user", "content": "Hi there"}],
                                                "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
                                       "predictive")
-        pipeline.preparer.tokenize(p)
-        permit, decision = await asyncio.wait_for(pipeline.placement.admit(p, RouteDecision(small, "classifier_easy")), 5)
+        p = pipeline.preparer.tokenize(p)
+        admitted = await asyncio.wait_for(pipeline.placement.admit(p, RouteDecision(small, "classifier_easy")), 5)
+        permit, decision = admitted.permit, admitted.decision
         permit.release()
         return decision.model_id, decision.reason
 
@@ -490,6 +504,7 @@ def test_the_router_counts_a_prompt_without_its_system_message(serve_file, token
     """A long system prompt seen before and a short question is not a long prompt; a long
     question is, and so is a long system message seen for the first time."""
     from ingress.context import context_from_headers
+    from ingress.accounting import Record
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
 
@@ -503,7 +518,7 @@ def test_the_router_counts_a_prompt_without_its_system_message(serve_file, token
         ctx = context_from_headers({})
         p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": messages, "max_tokens": 16}, ctx,
                                       pipeline.admission.tier(ctx), "predictive")
-        pipeline.preparer.tokenize(p)
+        p = pipeline.preparer.tokenize(p)
         return len(p.prompt_ids), p.features.prompt_tokens
 
     ask = [{"role": "system", "content": rules}, {"role": "user", "content": "How do I reset my password?"}]
