@@ -16,12 +16,11 @@ who is queued ahead, the fleet's load from the controller) and online service-ti
 
 A tier may bound the wait itself (`max_queue_ms`): its requests queue only when a slot is
 predicted within that bound, and leave the queue when it passes. Output length is a guess, so
-"the running request ahead will finish in 300 ms" often isn't true; a TTFT-tier request that
-waits for it and is then dropped has waited up to its whole TTFT budget for a 503, where a shed
-at arrival takes milliseconds.
+"the running request ahead will finish soon" often isn't true; a TTFT-tier request dropped
+after a wait as long as its TTFT budget got a slow 503, so a TTFT tier's bound is a fraction of
+its target: a short wait, not a refusal, when a slot is about to free up.
 
 An idle model takes a request it can start in time (`_idle_takes`): nothing is gained otherwise.
-
 Tenants share fairly (admission/fair_share.py): while more than one is active, each holds at
 most its share of the slots, seats and queue, and within a priority the queue is served by a
 virtual token counter, earliest deadline first among a tenant's own requests. A request's
@@ -197,11 +196,12 @@ class AdmissionGate:
         return ahead * 1000
 
     def first_token(self, t: Ticket) -> None:
-        """The ticket's first token arrived: its prefill no longer delays anyone, and how long
-        it took against the prediction calibrates the next predictions."""
+        """The ticket's first token arrived: how long it took against the prediction calibrates
+        the next predictions, and its prefill no longer delays anyone (the head may start now)."""
         if not t.prefilled and t.started_at:
             self.calibration.learn(t.model_id, self._clock() - t.started_at, t.first_at - t.started_at, t.ttft_scale)
         t.prefilled = True
+        self._wake()
 
     def _fits_now(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> bool:
         """Can it start now without missing its own deadlines or pushing a running one past its?"""

@@ -203,6 +203,29 @@ def test_a_tier_queue_wait_limit_sheds_at_arrival_or_leaves_the_queue_when_it_pa
     asyncio.run(main())
 
 
+def test_a_request_waiting_on_a_prefill_ahead_starts_when_that_first_token_arrives():
+    """Started beside another prompt's prefill it would push that request past its deadline, so
+    it queues; the moment that prefill ends (its first token) it starts, not only when a
+    request finishes: a short wait, not a slot's worth."""
+    now = [0.0]
+    gate = AdmissionGate(2, 4, 1, ServiceEstimates(1.0, 10.0), safety=1.0, clock=lambda: now[0])
+
+    async def main():
+        long_prompt = Ticket("m", "t", 0, 50, 10, arrived=0.0, deadline=0.75)  # a 500 ms prefill
+        await gate.acquire(long_prompt)
+        waiting = Ticket("m", "t", 0, 10, 10, arrived=0.0, max_wait=5.0)
+        started = asyncio.create_task(gate.acquire(waiting))
+        await asyncio.sleep(0)
+        assert not started.done() and gate.queued == 1, "its prefill would have held the long prompt's answer up"
+        now[0] = 0.5
+        gate.first_token(long_prompt)
+        assert gate.queued == 0 and waiting in gate.running
+        assert long_prompt in gate.running, "started beside it, not after it"
+        await asyncio.wait_for(started, 1)
+
+    asyncio.run(main())
+
+
 def test_a_request_running_past_its_predicted_finish_is_expected_to_overrun_as_long_again():
     """Not to end this instant: what can't wait that long is shed at arrival, not dropped from
     the queue after waiting for a slot that did not come."""

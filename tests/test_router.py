@@ -345,7 +345,7 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     pipeline.gate.running.add(Ticket("elsewhere", "batch", 1, 10, 10))  # a busy box: no idle-box pass
 
     async def admit(model: str):
-        ctx = context_from_headers({"x-slo-tier": "interactive"})  # TTFT 1 s, no queueing
+        ctx = context_from_headers({"x-slo-tier": "interactive"})  # TTFT 1 s, a short queue at most
         tier = pipeline.admission.tier(ctx)
         body = {"model": model, "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
                 "max_tokens": 16, "temperature": 0}
