@@ -9,9 +9,12 @@ model deployments stream to the ingress. The graph, the ingress, admission, the 
 router are unchanged.
 
 Per request, mapped one to one: max_tokens, temperature, top_p, top_k, min_p, stop strings,
-seed, the penalties, logit_bias, min_tokens, ignore_eos and the structured output (a JSON
-schema, any JSON, a regex, a choice, or the tool-call structural tag) as vLLM's
-`StructuredOutputsParams`. The ingress
+seed, the penalties, logit_bias, min_tokens, ignore_eos, logprobs and the structured output (a
+JSON schema, any JSON, a regex, a choice, or the tool-call structural tag) as vLLM's
+`StructuredOutputsParams`. Log-probabilities are vLLM's processed ones, in the CPU engines'
+shape: the distribution each token was chosen from (after penalties, biases and the grammar's
+mask, as on the CPU engines; a sampled request's after temperature, top-k and top-p too, where
+the CPU engines report them before). The ingress
 has already applied the chat template and tokenized the prompt, so vLLM gets token ids and the
 prompt token count in `usage` is the ingress's. Cancelling the consumer (the client went away)
 aborts the request inside vLLM, freeing its KV blocks. Semantic-cache near-miss drafts
@@ -34,6 +37,10 @@ from engines.model_store import resolve_model_dir
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# JSON has no -Infinity: a token a grammar or a bias rules out gets this log-probability, as on
+# the CPU engines.
+LOGPROB_FLOOR = -9999.0
 
 
 def resolve_dtype(dtype: str, on_cpu: bool, flags: frozenset[str] | None = None) -> str:
@@ -71,6 +78,8 @@ def engine_args(config: ModelStageConfig, on_cpu: bool = False,
         "enable_prefix_caching": v.enable_prefix_caching,
         "enforce_eager": v.enforce_eager,
         "seed": v.seed,
+        # Log-probabilities of the distribution each token is chosen from, as the CPU engines give.
+        "logprobs_mode": "processed_logprobs",
     }
     optional = {
         "distributed_executor_backend": v.distributed_executor_backend,
@@ -108,8 +117,22 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
         "min_p": params.min_p,
         "min_tokens": params.min_tokens,
         "ignore_eos": params.ignore_eos,
+        "logprobs": params.logprobs,  # None: none; N: the chosen token's and the N likeliest
         **structured_outputs(params),
     }
+
+
+def token_logprobs(token_ids: Any, positions: Any, top: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """vLLM's log-probabilities of new tokens (per position, token id -> `Logprob` with its
+    logprob, rank and decoded text) in the CPU engines' shape: each chosen token's text and
+    log-probability, and the `top` likeliest at its position, likeliest first."""
+    out = []
+    for token, position in zip(token_ids, positions):
+        chosen = position[token]
+        ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top), key=lambda lp: lp.rank)
+        out.append((chosen.decoded_token or "", max(chosen.logprob, LOGPROB_FLOOR),
+                    [(lp.decoded_token or "", max(lp.logprob, LOGPROB_FLOOR)) for lp in ranked[:top]]))
+    return out
 
 
 def structured_outputs(params: SamplingParams) -> dict[str, Any]:
@@ -209,6 +232,8 @@ class VLLMService:
                 completion += tokens
                 stats["tokens_generated"] += tokens
                 chunk = GenerateChunk(piece.text, tokens)
+                if request.sampling.logprobs is not None and piece.logprobs is not None:
+                    chunk.logprobs = token_logprobs(piece.token_ids, piece.logprobs, request.sampling.logprobs)
                 if first:
                     # vLLM schedules queue and prefill inside one step loop: report them as one.
                     chunk.timings_ms["prefill"] = (time.perf_counter() - start) * 1000

@@ -125,7 +125,6 @@ class Preparer:
             args.draft.engine.model_id: args.draft.engine.max_model_len,
             args.router.auto_model_id: args.target.engine.max_model_len,
         }
-        self.vllm_models = {stage.engine.model_id for stage in (args.target, args.draft) if stage.engine.kind == "vllm"}
         # Grammar conversions (xgrammar's C++, which releases the GIL): off the event loop, two
         # at a time at most, so one slow schema delays no other request's check for long.
         self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
@@ -230,11 +229,6 @@ class Preparer:
         )
         if kind == "chat" and req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if sampling.logprobs is not None and self.vllm_models:
-            raise bad_request(
-                f"logprobs are not served by this profile's vLLM engines ({', '.join(sorted(self.vllm_models))})",
-                "logprobs", "unsupported",
-            )
         cache_key = scope = query = None
         # Only greedy answers are reproducible, so only they are cached unless the client opts in.
         cache = self.args.cache

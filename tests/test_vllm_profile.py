@@ -16,7 +16,7 @@ from configs.schemas import ModelStageConfig, VLLMConfig
 from configs.serve_config import load_serve_config
 from engines.types import GenerateRequest, SamplingParams
 from engines.cpu_features import cpu_flags
-from engines.vllm_service import engine_args, resolve_dtype, sampling_params
+from engines.vllm_service import LOGPROB_FLOOR, engine_args, resolve_dtype, sampling_params, token_logprobs
 
 GPU_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml"
 CPU_PROFILE = GPU_PROFILE.with_name("cpu-vllm.yaml")
@@ -57,8 +57,28 @@ def test_engine_args_and_sampling_map_one_to_one():
     assert sampling_params(params) == {"n": 1, "max_tokens": 7, "temperature": 0.3, "top_p": 0.9,
                                        "stop": ["\n\n"], "seed": 11, "presence_penalty": 0.5,
                                        "frequency_penalty": 0.25, "repetition_penalty": 1.1, "logit_bias": {42: -100.0},
-                                       "top_k": 20, "min_p": 0.05, "min_tokens": 3, "ignore_eos": True}
+                                       "top_k": 20, "min_p": 0.05, "min_tokens": 3, "ignore_eos": True,
+                                       "logprobs": None}
     assert sampling_params(SamplingParams(max_tokens=1))["top_k"] == -1  # ours 0, vLLM's -1: off
+    assert sampling_params(SamplingParams(max_tokens=1, logprobs=0))["logprobs"] == 0  # the chosen token's only
+    assert args["logprobs_mode"] == "processed_logprobs", "the distribution a token is chosen from, as on CPU"
+
+
+def test_vllm_log_probabilities_take_the_cpu_engines_shape():
+    """Per position vLLM gives the chosen token and the likeliest ones (ranks 1..N), the chosen
+    one possibly ranked past N; ours: (text, logprob, [(text, logprob)] likeliest first), and a
+    token a grammar ruled out is finite, not -Infinity (JSON has none)."""
+    from types import SimpleNamespace as Lp
+
+    positions = [
+        {5: Lp(logprob=-0.1, rank=1, decoded_token="Hi"), 9: Lp(logprob=-2.5, rank=2, decoded_token="Hey")},
+        {7: Lp(logprob=-3.0, rank=3, decoded_token=" there"), 1: Lp(logprob=-0.2, rank=1, decoded_token="!"),
+         2: Lp(logprob=float("-inf"), rank=2, decoded_token="?")},
+    ]
+    out = token_logprobs([5, 7], positions, 2)
+    assert out[0] == ("Hi", -0.1, [("Hi", -0.1), ("Hey", -2.5)])
+    assert out[1] == (" there", -3.0, [("!", -0.2), ("?", LOGPROB_FLOOR)]), "the chosen one, ranked 3rd, is not in the top 2"
+    assert token_logprobs([5], positions[:1], 0) == [("Hi", -0.1, [])], "top_logprobs 0: the chosen token only"
 
 
 def test_auto_dtype_on_a_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively():
@@ -118,6 +138,13 @@ def test_vllm_service_streams_usage_stops_and_aborts():
         assert last.completion_tokens == sum(c.num_tokens for c in chunks) > 0
         again = [c async for c in service.generate(GenerateRequest("r2", ids, SamplingParams(max_tokens=12, temperature=0)))]
         assert "".join(c.text for c in again) == "".join(c.text for c in chunks), "greedy is deterministic"
+        scored = [c async for c in service.generate(
+            GenerateRequest("r2lp", ids, SamplingParams(max_tokens=12, temperature=0, logprobs=3)))]
+        entries = [e for c in scored for e in (c.logprobs or [])]
+        assert len(entries) == sum(c.num_tokens for c in scored), "one entry per token"
+        assert "".join(c.text for c in scored) == "".join(c.text for c in chunks), "asking for them changes nothing"
+        for text, logprob, top in entries:
+            assert logprob <= 0 and len(top) == 3 and top[0] == (text, logprob), "greedy: the chosen token is the likeliest"
         # Cancel mid-stream: vLLM frees the request.
         stream = service.generate(GenerateRequest("r3", ids, SamplingParams(max_tokens=200, temperature=0)))
         await stream.__anext__()
