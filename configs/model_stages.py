@@ -85,6 +85,10 @@ class VLLMConfig(Strict):
     )
     seed: int = Field(0, description="the engine's base seed")
     speculative: VLLMSpeculativeConfig | None = Field(None, description="vLLM-native speculative decoding")
+    verify_hints: bool = Field(
+        True, description="a semantic-cache match or near miss is scored after the prompt in one prefill; the "
+        "prefix the model agrees with token for token is kept and generation goes on from it (greedy requests)",
+    )
 
 
 class EngineConfig(Strict):

@@ -17,9 +17,15 @@ mask, as on the CPU engines; a sampled request's after temperature, top-k and to
 the CPU engines report them before). The ingress
 has already applied the chat template and tokenized the prompt, so vLLM gets token ids and the
 prompt token count in `usage` is the ingress's. Cancelling the consumer (the client went away)
-aborts the request inside vLLM, freeing its KV blocks. Semantic-cache near-miss drafts
-(`draft_hint_ids`) are a CPU-engine feature: vLLM takes no per-request draft, so they are
-ignored here.
+aborts the request inside vLLM, freeing its KV blocks.
+
+A semantic-cache match or near miss (`draft_hint_ids`, `engine.vllm.verify_hints`) is verified
+in one pass, as the CPU engines verify a draft: the prompt followed by the cached answer is
+prefilled once with `prompt_logprobs`, the longest prefix whose every token the model ranks
+first is kept, and generation goes on from there (vLLM's prefix cache holds what was just
+prefilled). Greedy requests only, without penalties, biases, stop strings or a grammar: there
+the kept prefix is exactly what the model would have generated, so the answer is the model's
+own. A hint that arrives after the request started (`late_hint`) is not taken.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from configs.schemas import ModelStageConfig, VLLMConfig
@@ -135,6 +142,25 @@ def token_logprobs(token_ids: Any, positions: Any, top: int) -> list[tuple[str, 
     return out
 
 
+def verifiable(params: SamplingParams) -> bool:
+    """Is the prefix the model ranks first, token by token, exactly what it would generate? Only
+    for greedy requests whose logits depend on nothing but the text (no penalties, biases, forced
+    length), with no stop string that could end the answer inside the prefix and no grammar."""
+    return params.greedy and not params.adjusts_logits and not params.stop and params.structured is None \
+        and params.logprobs is None
+
+
+def agreed(hint: list[int], positions: Any) -> list[int]:
+    """The longest prefix of `hint` whose every token the model ranks first after what precedes
+    it (`positions`: vLLM's prompt log-probabilities at the hint's tokens)."""
+    kept = []
+    for token, position in zip(hint, positions):
+        if position is None or token not in position or position[token].rank != 1:
+            break
+        kept.append(token)
+    return kept
+
+
 def structured_outputs(params: SamplingParams) -> dict[str, Any]:
     """Our grammar as vLLM's own structured-output parameters (xgrammar there too)."""
     s = params.structured
@@ -196,10 +222,42 @@ class VLLMService:
         self.llm.shutdown()
 
     def late_hint(self, request_id: str, hint_ids: list[int]) -> bool:
-        return False  # vLLM takes no per-request draft (see the module docstring)
+        return False  # vLLM takes no draft once a request runs (see the module docstring)
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.stats)
+
+    async def _verify(self, request: GenerateRequest, hint: list[int]) -> tuple[list[int], GenerateChunk | None]:
+        """Score `hint` after the prompt in one prefill: the prefix the model agrees with token for
+        token, and the whole answer when that prefix ends it (the model's next token is the end,
+        or max_tokens is reached); None where generation goes on from the prefix."""
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import TokensPrompt
+
+        start = time.perf_counter()
+        budget = request.sampling.max_tokens
+        hint = hint[:budget]
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids + hint)
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
+        params = VllmSampling(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        out = None
+        async for out in self.llm.generate(prompt, params, f"{request.request_id}-verify-{uuid.uuid4().hex[:8]}"):
+            pass
+        assert out is not None
+        kept = agreed(hint, out.prompt_logprobs[len(request.prompt_token_ids):])
+        next_ids = out.outputs[0].token_ids
+        ends = len(kept) == len(hint) and (len(kept) == budget or (next_ids and next_ids[0] in self.engine.eos_token_ids))
+        if not ends:
+            return kept, None
+        self.stats["tokens_generated"] += len(kept)
+        ms = (time.perf_counter() - start) * 1000
+        return kept, GenerateChunk(
+            self.engine.tokenizer.decode(kept), len(kept), "length" if len(kept) == budget else "stop",
+            len(request.prompt_token_ids), len(kept),
+            {"prefill": ms, "engine_queue": 0.0, "spec_hint_proposed": float(len(hint)),
+             "spec_hint_accepted": float(len(kept))},
+        )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream chunks for one request; the consumer going away aborts it inside vLLM."""
@@ -215,14 +273,27 @@ class VLLMService:
             stats["requests_finished"] += 1
             yield GenerateChunk("", 0, "abort", len(request.prompt_token_ids), 0, {"deadline_expired": 1.0})
             return
+        asked = request
+        hint = request.draft_hint_ids or []
+        verify = bool(hint) and self.config.engine.vllm.verify_hints and verifiable(request.sampling)
+        kept: list[int] = []
         # vLLM request ids must be unique among live requests; a retried request reuses ours.
         vllm_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
-        params = VllmSampling(**sampling_params(request.sampling), output_kind=RequestOutputKind.DELTA)
         start = time.perf_counter()
         first = True
         completion = 0
         finished = False
         try:
+            if verify:
+                kept, done = await self._verify(request, hint)
+                if done is not None:  # the model agrees to the end of the cached answer (or max_tokens)
+                    finished = True
+                    yield done
+                    return
+                # Go on from the prefix the model agrees with (vLLM's prefix cache holds it).
+                request = replace(request, prompt_token_ids=request.prompt_token_ids + kept,
+                                  sampling=replace(request.sampling, max_tokens=request.sampling.max_tokens - len(kept)))
+            params = VllmSampling(**sampling_params(request.sampling), output_kind=RequestOutputKind.DELTA)
             prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
             if request.cache_salt:  # prefix blocks reused only within the tenant (vLLM's cache_salt)
                 prompt["cache_salt"] = request.cache_salt
@@ -235,6 +306,9 @@ class VLLMService:
                 if request.sampling.logprobs is not None and piece.logprobs is not None:
                     chunk.logprobs = token_logprobs(piece.token_ids, piece.logprobs, request.sampling.logprobs)
                 if first:
+                    if kept:  # the verified prefix goes out ahead of what follows it
+                        chunk.text = self.engine.tokenizer.decode(kept) + chunk.text
+                        chunk.num_tokens += len(kept)
                     # vLLM schedules queue and prefill inside one step loop: report them as one.
                     chunk.timings_ms["prefill"] = (time.perf_counter() - start) * 1000
                     chunk.timings_ms["engine_queue"] = 0.0
@@ -243,8 +317,10 @@ class VLLMService:
                     finished = True
                     reason = piece.finish_reason
                     chunk.finish_reason = reason if reason in ("length", "abort") else "stop"
-                    chunk.prompt_tokens = len(request.prompt_token_ids)
-                    chunk.completion_tokens = completion
+                    chunk.prompt_tokens = len(asked.prompt_token_ids)
+                    chunk.completion_tokens = completion + len(kept)
+                    if verify:
+                        chunk.timings_ms.update(spec_hint_proposed=float(len(hint)), spec_hint_accepted=float(len(kept)))
                 yield chunk
                 if finished:
                     return

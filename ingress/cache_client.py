@@ -39,10 +39,19 @@ class CacheState:
 
 
 class CacheClient:
-    def __init__(self, args: AppArgs, backends, hint_models: set[str], embedder=None) -> None:
+    def __init__(self, args: AppArgs, backends, embedder=None) -> None:
         self.args = args
         self.backends = backends
-        self.hint_models = hint_models  # models whose replicas draft from a near miss's answer
+        stages = (args.target, args.draft)
+        # Models whose replicas verify a match or near miss as a draft: the CPU engines by
+        # speculating (any request), vLLM in one prefill (greedy requests).
+        self.greedy_hint_models = {
+            s.engine.model_id for s in stages if s.engine.kind == "vllm" and s.engine.vllm.verify_hints
+        }
+        self.hint_models = self.greedy_hint_models | {
+            s.engine.model_id for s in stages
+            if s.engine.kind != "vllm" and s.speculative.method != "none" and s.speculative.use_hints
+        }
         self.embedder = embedder  # the router's, for requests that skip the lookup (it brings one)
         # Host tuning: a model call started beside the lookup leaves the lookup a core.
         self.lookup_window = LookupWindow(args.host_tuning.window)
@@ -102,10 +111,16 @@ class CacheClient:
             state.clock.detail("lookup.embed", t)
         return state.vector
 
-    def hint_ids(self, state: CacheState, model_id: str, builder: PromptBuilder, hint: Lookup) -> list[int] | None:
+    def hint_ids(
+        self, state: CacheState, model_id: str, builder: PromptBuilder, hint: Lookup, greedy: bool = True,
+        late: bool = False,
+    ) -> list[int] | None:
         """A near miss's answer as draft tokens for `model_id`, or None where that model can't
-        draft from it (no speculation, hints off, vLLM): then it costs no encode and no hop."""
+        verify it (no speculation, hints off; on vLLM, a sampled request, or a hint that comes
+        `late`, after the request started): then it costs no encode and no hop."""
         if hint.response is None or model_id not in self.hint_models:
+            return None
+        if model_id in self.greedy_hint_models and (late or not greedy):
             return None
         state.result = "verified" if hint.reason == "verify" else "hint"
         state.match["x-cache-match"] = f"{hint.reason};score={hint.score or 0:.3f}"

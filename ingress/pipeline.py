@@ -109,19 +109,14 @@ class Pipeline:
         })
         self.preparer = Preparer(args, prompts, self.admission)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        # Models whose replicas draft from a request's hint (a semantic-cache near miss).
-        hint_models = {
-            stage.engine.model_id for stage in (args.target, args.draft)
-            if stage.engine.kind != "vllm" and stage.speculative.method != "none" and stage.speculative.use_hints
-        }
-        self.cache = CacheClient(args, backends, hint_models, embedder)
+        self.cache = CacheClient(args, backends, embedder)
         self.placement = Placement(args, self.admission, backends, self.cache)
         self.calls = ModelCalls(args, backends, self.placement.load, self.accounting.metrics)
         self.responder = Responder(args, self.calls, self.cache, self.admission, self.accounting, served_by)
         self.embeddings = EmbeddingsService(args, self.keys, self.admission, self.preparer, embedder)
         mode = args.cache.semantic.mode
-        if args.cache.enabled and args.cache.semantic.enabled and mode != "trust" and not hint_models:
-            log.warning("cache.semantic.mode %s: no model here drafts from hints (vLLM, or speculation off), so "
+        if args.cache.enabled and args.cache.semantic.enabled and mode != "trust" and not self.cache.hint_models:
+            log.warning("cache.semantic.mode %s: no model here verifies hints (speculation or verify_hints off), so "
                         "a semantic match is generated as a miss (and teaches nothing); exact hits are served as "
                         "before", mode)
 
@@ -282,7 +277,7 @@ class Pipeline:
         if found is not None and found.outcome == "hint":
             # A near miss: not safe to serve, but a good guess. The target verifies every
             # token of it, so the answer is exactly what it would have produced anyway.
-            generate.draft_hint_ids = self._hint(rec, f, found)
+            generate.draft_hint_ids = self._hint(p, rec, f, found, late=False)
         if rec.trace is not None and rec.trace.sampled:
             generate.trace = rec.trace.start_model_call(model.model_id)
         if f.lookup is not None:  # the model starts beside the lookup (overlap_cache_lookup)
@@ -304,14 +299,14 @@ class Pipeline:
             return found
         if found.outcome == "hint" and not f.call.coalesced:
             # The replica hands it to the request's drafters, idle until its prefill is done.
-            hint_ids = self._hint(rec, f, found)
+            hint_ids = self._hint(p, rec, f, found, late=True)
             if hint_ids:
                 self.backends.late_hint(f.call.model_id, p.ctx.request_id, hint_ids)
         self.cache.lookup_window.close(f.call.request.lookup_overlap)  # the lookup's work is over
         return None
 
-    def _hint(self, rec: Record, f: InFlight, found: Lookup) -> list[int] | None:
-        hint_ids = self.cache.hint_ids(f.cache, f.admitted.decision.model_id, f.builder, found)
+    def _hint(self, p: Prepared, rec: Record, f: InFlight, found: Lookup, late: bool) -> list[int] | None:
+        hint_ids = self.cache.hint_ids(f.cache, f.admitted.decision.model_id, f.builder, found, p.sampling.greedy, late)
         rec.cache = f.cache.result
         rec.notes.update(f.cache.match)
         return hint_ids

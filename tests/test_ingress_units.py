@@ -94,6 +94,39 @@ def test_near_miss_hints_go_only_to_models_that_draft_from_them(serve_file):
     assert state.match["x-cache-match"] == "verify;score=0.930" and state.verifying is verify
 
 
+def test_vllm_models_verify_hints_of_greedy_requests_sent_before_they_start():
+    """vLLM verifies a match in one prefill before generating: a greedy request's hint goes with
+    its call; a sampled request's, or one that comes after the call started, is not sent (and
+    the request is not labelled as verified)."""
+    from configs.serve_config import CPU_EXACT_CONFIG, load_serve_config
+    from ingress.pipeline import Pipeline
+    from semantic_cache.cache import Lookup
+    from semantic_cache.exact import CachedResponse
+
+    args = load_serve_config(CPU_EXACT_CONFIG.with_name("cpu-vllm.yaml")).args
+    target = args.target.engine.model_id
+    pipeline = Pipeline(args, backends=None, prompts={})
+    assert target in pipeline.cache.hint_models
+
+    class Builder:
+        class tokenizer:
+            @staticmethod
+            def encode(text, add_special_tokens):
+                return [len(word) for word in text.split()]
+
+    match = Lookup("hint", CachedResponse("forty five", "stop", 5, 2, target), 0.93, "verify")
+    body = {"model": target, "messages": [{"role": "user", "content": "What is 15% of 300?"}], "temperature": 0}
+    p = pipeline.preparer.prepare("chat", body, context_from_headers({}))
+    for greedy, late in ((False, False), (True, True)):
+        state = pipeline.cache.state(p, StageClock())
+        assert pipeline.cache.hint_ids(state, target, Builder(), match, greedy, late) is None and state.result == "miss"
+    state = pipeline.cache.state(p, StageClock())
+    assert pipeline.cache.hint_ids(state, target, Builder(), match, True, False) == [5, 4]
+    assert state.result == "verified" and state.verifying is match
+    args.target.engine.vllm.verify_hints = False
+    assert target not in Pipeline(args, backends=None, prompts={}).cache.hint_models
+
+
 def test_cache_key_follows_the_server_default_budget(serve_file):
     """The key is made before tokenizing, from the requested max_tokens; a request that leaves it
     to the server must not reuse answers made under another default budget."""

@@ -16,7 +16,8 @@ from configs.schemas import ModelStageConfig, VLLMConfig
 from configs.serve_config import load_serve_config
 from engines.types import GenerateRequest, SamplingParams
 from engines.cpu_features import cpu_flags
-from engines.vllm_service import LOGPROB_FLOOR, engine_args, resolve_dtype, sampling_params, token_logprobs
+from engines.vllm_service import (LOGPROB_FLOOR, agreed, engine_args, resolve_dtype, sampling_params, token_logprobs,
+                                  verifiable)
 
 GPU_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml"
 CPU_PROFILE = GPU_PROFILE.with_name("cpu-vllm.yaml")
@@ -81,6 +82,22 @@ def test_vllm_log_probabilities_take_the_cpu_engines_shape():
     assert token_logprobs([5], positions[:1], 0) == [("Hi", -0.1, [])], "top_logprobs 0: the chosen token only"
 
 
+def test_a_hint_is_kept_up_to_the_first_token_the_model_does_not_rank_first():
+    """vLLM verifies a cached answer from its prompt log-probabilities: each token must be the
+    model's first choice after what precedes it, and only where that choice is what the model
+    would generate (greedy, nothing else shaping the logits, no stop string, no grammar)."""
+    from types import SimpleNamespace as Lp
+
+    positions = [{5: Lp(logprob=-0.1, rank=1)}, {6: Lp(logprob=-0.3, rank=1)}, {8: Lp(logprob=-2.0, rank=2)},
+                 {9: Lp(logprob=-0.1, rank=1)}]
+    assert agreed([5, 6, 8, 9], positions) == [5, 6], "kept up to the first disagreement, not past it"
+    assert agreed([5, 6], positions) == [5, 6] and agreed([7], positions) == [] and agreed([5], [None]) == []
+    assert verifiable(SamplingParams(max_tokens=8, temperature=0))
+    for other in (dict(temperature=0.7), dict(presence_penalty=0.5), dict(logit_bias=((3, 1.0),)), dict(stop=("x",)),
+                  dict(min_tokens=2), dict(logprobs=1)):
+        assert not verifiable(SamplingParams(max_tokens=8, **{"temperature": 0, **other})), other
+
+
 def test_auto_dtype_on_a_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively():
     avx2_box = frozenset({"sse2", "avx", "avx2", "fma"})
     amx_box = avx2_box | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
@@ -119,7 +136,9 @@ def test_vllm_service_streams_usage_stops_and_aborts():
     from engines.vllm_service import VLLMService
 
     stage = load_serve_config(GPU_PROFILE).args.target.model_copy(deep=True)
-    stage.engine.vllm = VLLMConfig(dtype="bfloat16", max_num_seqs=16, enforce_eager=True,
+    # float32: a prefill's numerics and a decode step's agree on the greedy choice (in bfloat16 a
+    # near-tie may go either way, and the checks below compare texts exactly).
+    stage.engine.vllm = VLLMConfig(dtype="float32", max_num_seqs=16, enforce_eager=True,
                                    gpu_memory_utilization=float(os.environ.get("VLLM_GPU_MEM", "0.3")))
 
     async def main() -> None:
@@ -138,6 +157,19 @@ def test_vllm_service_streams_usage_stops_and_aborts():
         assert last.completion_tokens == sum(c.num_tokens for c in chunks) > 0
         again = [c async for c in service.generate(GenerateRequest("r2", ids, SamplingParams(max_tokens=12, temperature=0)))]
         assert "".join(c.text for c in again) == "".join(c.text for c in chunks), "greedy is deterministic"
+        # A cached answer as the hint: verified in one prefill, the same text (the model's own).
+        text = "".join(c.text for c in chunks)
+        answer = service.engine.tokenizer.encode(text, add_special_tokens=False)
+        hinted = [c async for c in service.generate(
+            GenerateRequest("r2h", ids, SamplingParams(max_tokens=12, temperature=0), draft_hint_ids=answer))]
+        assert "".join(c.text for c in hinted) == text and hinted[-1].finish_reason == last.finish_reason
+        assert hinted[-1].timings_ms["spec_hint_accepted"] == len(answer) and hinted[-1].completion_tokens == len(answer)
+        # Wrong from its fourth token on: kept up to there, the rest generated, still the same text.
+        wrong = answer[:3] + [t + 1 for t in answer[3:]]
+        mended = [c async for c in service.generate(
+            GenerateRequest("r2w", ids, SamplingParams(max_tokens=12, temperature=0), draft_hint_ids=wrong))]
+        assert "".join(c.text for c in mended) == text and mended[-1].timings_ms["spec_hint_accepted"] == 3
+        assert mended[-1].completion_tokens == last.completion_tokens and mended[-1].prompt_tokens == len(ids)
         scored = [c async for c in service.generate(
             GenerateRequest("r2lp", ids, SamplingParams(max_tokens=12, temperature=0, logprobs=3)))]
         entries = [e for c in scored for e in (c.logprobs or [])]
