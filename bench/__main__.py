@@ -38,6 +38,7 @@ SUITES = {
     "peers": "bench.peers",  # vs vllm serve, Ray Serve LLM, llama.cpp server: guidellm, 4 workloads, goodput
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
     "hostile": "bench.hostile",  # one attacker per attack class beside one ordinary tenant: /health, bystander TTFT
+    "vllm_verify": "bench.vllm_verify",  # vLLM: a cached answer verified in one prefill vs a miss (vLLM installed)
 }
 
 
