@@ -5,7 +5,9 @@ GPU), in float32 and in bfloat16: each chat prompt is answered once (greedy, `ma
 tokens), then `repeats` times as a miss and `repeats` times with that answer as the hint
 (`draft_hint_ids`, as the ingress sends a cached answer), alternating. Reports the end-to-end
 time of each, the tokens the model kept of the hint, and how many verified answers differ from
-the model's own. Runs where vLLM is installed (`bash scripts/peers.sh vllm ours_vllm`, then
+the model's own. Then the same through the whole graph (float32, the cache in `verify` mode):
+a question is asked, then a rewording of it uncached and through the cache, whose match the
+model verifies; end to end at the client. Runs where vLLM is installed (`bash scripts/peers.sh vllm ours_vllm`, then
 `.venv-peers/ours-vllm/bin/python -m bench vllm_verify --out FILE`).
 """
 
@@ -75,6 +77,52 @@ async def _one_dtype(dtype: str, max_tokens: int, repeats: int) -> dict:
         service.close()
 
 
+PAIRS = [
+    ("Name three uses of copper.", "Name three uses of copper"),
+    ("What is the boiling point of water at sea level?", "What is the boiling point of water at sea level"),
+    ("Give me two tips for better sleep.", "give me two tips for better sleep."),
+    ("Explain what a CPU does.", "Explain what a CPU does"),
+]
+
+
+def _graph_rows(max_tokens: int) -> list[dict]:
+    import httpx
+
+    from bench.local import running_service
+    from configs.serve_config import CPU_EXACT_CONFIG
+    from vllm.platforms import current_platform
+
+    serve_file = load_serve_config(CPU_EXACT_CONFIG.with_name("cpu-vllm.yaml" if current_platform.is_cpu() else "gpu.yaml"))
+
+    def exact(args) -> None:
+        args.target.engine.vllm.dtype = "float32"
+        args.admission.mode = "fifo"  # nothing shed: the rows compare times, not admission
+
+    rows = []
+    with running_service(serve_file, tweak=exact) as base:
+        model = serve_file.args.target.engine.model_id
+
+        def ask(question: str, headers: dict | None = None) -> tuple[float, httpx.Response]:
+            body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+                    "temperature": 0}
+            t = time.perf_counter()
+            r = httpx.post(base + "/v1/chat/completions", json=body, headers=headers or {}, timeout=300)
+            return (time.perf_counter() - t) * 1000, r
+
+        for first, reworded in PAIRS:
+            ask(first)
+            alone_ms, alone = ask(reworded, {"cache-control": "no-cache, no-store"})
+            cached_ms, cached = ask(reworded)
+            rows.append({
+                "question": first, "reworded": reworded, "uncached_ms": round(alone_ms), "via_cache_ms": round(cached_ms),
+                "speedup": round(alone_ms / cached_ms, 2), "x_cache": cached.headers.get("x-cache"),
+                "x_cache_accepted": cached.headers.get("x-cache-accepted"),
+                "same_answer": cached.json()["choices"][0]["message"]["content"]
+                == alone.json()["choices"][0]["message"]["content"],
+            })
+    return rows
+
+
 def run(max_tokens: int = 64, requests: int = 3, quick: bool = False) -> dict:
     try:
         import vllm
@@ -83,4 +131,5 @@ def run(max_tokens: int = 64, requests: int = 3, quick: bool = False) -> dict:
     repeats = 1 if quick else requests
     rows = [asyncio.run(_one_dtype(dtype, max_tokens, repeats)) for dtype in ("float32", "bfloat16")]
     return {"vllm_version": vllm.__version__, "config": {"max_tokens": max_tokens, "repeats": repeats,
-                                                          "prompts": len(PROMPTS)}, "rows": rows}
+                                                          "prompts": len(PROMPTS)}, "rows": rows,
+            "behind_graph": _graph_rows(max_tokens)}
