@@ -98,6 +98,9 @@ def end_where_nothing_is_allowed(logits: torch.Tensor, eos_ids: frozenset[int]) 
     return logits
 
 
+# A token the distribution rules out (a grammar, a -100 bias) has log-probability -inf, which JSON
+# cannot carry: every engine reports it as this finite floor, as OpenAI does.
+LOGPROB_FLOOR = -9999.0
 # Below this, logits / temperature overflows float32 and softmax returns NaN; a temperature this
 # small is greedy in all but name, so it is computed as this one.
 MIN_TEMPERATURE = 1e-4

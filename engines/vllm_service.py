@@ -41,13 +41,10 @@ from typing import Any
 from configs.schemas import ModelStageConfig, VLLMConfig
 from engines.cpu_features import NATIVE_BF16_FLAGS, cpu_flags
 from engines.model_store import resolve_model_dir
+from engines.sampling import LOGPROB_FLOOR
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
-
-# JSON has no -Infinity: a token a grammar or a bias rules out gets this log-probability, as on
-# the CPU engines.
-LOGPROB_FLOOR = -9999.0
 
 
 def resolve_dtype(dtype: str, on_cpu: bool, flags: frozenset[str] | None = None) -> str:

@@ -25,7 +25,7 @@ from engines.base import Engine
 from engines.blocks import salt_root
 from engines.detokenizer import IncrementalDetokenizer
 from engines.grammar import GrammarState, compiler_for
-from engines.sampling import LogitsAdjuster, end_where_nothing_is_allowed, make_generator, sample
+from engines.sampling import LOGPROB_FLOOR, LogitsAdjuster, end_where_nothing_is_allowed, make_generator, sample
 from engines.types import GenerateChunk, GenerateRequest
 from target.adaptive import KChooser
 from target.verify import verify
@@ -50,9 +50,6 @@ HELD_CATCH_UP_TOKENS = 32
 # tokens: a 64-token answer the model agrees with takes two passes; one it rejects at once costs
 # one short pass more than a plain step.
 ANSWER_CHUNK_FIRST, ANSWER_CHUNK_MAX = 32, 128
-# A token the distribution rules out (a grammar, a -100 bias) has log-probability -inf, which JSON
-# cannot carry: it is reported as this finite floor, as OpenAI does.
-LOGPROB_FLOOR = -9999.0
 
 
 class Generation:
