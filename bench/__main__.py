@@ -39,6 +39,7 @@ SUITES = {
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
     "hostile": "bench.hostile",  # one attacker per attack class beside one ordinary tenant: /health, bystander TTFT
     "vllm_verify": "bench.vllm_verify",  # vLLM: a cached answer verified in one prefill vs a miss (vLLM installed)
+    "vllm_tax": "bench.vllm_tax",  # the graph on the vLLM profile vs vllm serve alone, 1/4/16 streams, 3 repetitions
 }
 
 

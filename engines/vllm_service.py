@@ -147,6 +147,18 @@ def verifiable(params: SamplingParams) -> bool:
         and params.logprobs is None
 
 
+def answer_part(piece: Any) -> tuple[Any, Any]:
+    """A delta's (vLLM's `CompletionOutput`) token ids and log-probabilities, less the stop token
+    that ended it: vLLM counts that token, the CPU engines (and the text) leave it out, so a
+    request's usage and log-probabilities are the same on every engine."""
+    ids, logprobs = piece.token_ids, piece.logprobs
+    # stop_reason: None for the model's end-of-sequence token, its id for another stop token
+    # (the generation config's), the string for a stop string (which is no token of its own).
+    if piece.finish_reason == "stop" and not isinstance(piece.stop_reason, str) and ids:
+        return ids[:-1], None if logprobs is None else logprobs[:-1]
+    return ids, logprobs
+
+
 def agreed(hint: list[int], positions: Any) -> list[int]:
     """The longest prefix of `hint` whose every token the model ranks first after what precedes
     it (`positions`: vLLM's prompt log-probabilities at the hint's tokens)."""
@@ -178,14 +190,25 @@ def structured_outputs(params: SamplingParams) -> dict[str, Any]:
     return {"structured_outputs": spec}
 
 
+class PrefixCounts:
+    """Prompt tokens asked of vLLM's prefix cache and found there, totals as the CPU engines'
+    prefix cache keeps them (the model deployments export both to Prometheus)."""
+
+    def __init__(self) -> None:
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+
 class VLLMEngineInfo:
-    """What the deployments read off `service.engine`: the model's id, tokenizer and window."""
+    """What the deployments read off `service.engine`: the model's id, tokenizer and window, and
+    the prefix cache's counts."""
 
     def __init__(self, model_id: str, tokenizer: Any, max_model_len: int) -> None:
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(filter(None, [getattr(tokenizer, "eos_token_id", None)]))
+        self.prefix_cache = PrefixCounts()
+        self.eos_token_ids = frozenset(i for i in [getattr(tokenizer, "eos_token_id", None)] if i is not None)
 
 
 class VLLMService:
@@ -206,7 +229,7 @@ class VLLMService:
         tokenizer = AutoTokenizer.from_pretrained(args["tokenizer"])
         self.engine = VLLMEngineInfo(config.engine.model_id, tokenizer, config.engine.max_model_len)
         self.stats = {"requests_started": 0, "requests_finished": 0, "requests_cancelled": 0,
-                      "tokens_generated": 0, "active": 0}
+                      "tokens_generated": 0, "active": 0, "hint_tokens_proposed": 0, "hint_tokens_accepted": 0}
 
     async def warmup(self) -> None:
         """One short request, so the first real one pays no compile or allocation."""
@@ -283,6 +306,8 @@ class VLLMService:
         try:
             if verify:
                 kept, done = await self._verify(request, hint)
+                stats["hint_tokens_proposed"] += len(hint[:request.sampling.max_tokens])
+                stats["hint_tokens_accepted"] += len(kept)
                 if done is not None:  # the model agrees to the end of the cached answer (or max_tokens)
                     finished = True
                     yield done
@@ -296,12 +321,13 @@ class VLLMService:
                 prompt["cache_salt"] = request.cache_salt
             async for out in self.llm.generate(prompt, params, vllm_id):
                 piece = out.outputs[0]
-                tokens = len(piece.token_ids)
+                ids, logprobs = answer_part(piece)
+                tokens = len(ids)
                 completion += tokens
                 stats["tokens_generated"] += tokens
                 chunk = GenerateChunk(piece.text, tokens)
-                if request.sampling.logprobs is not None and piece.logprobs is not None:
-                    chunk.logprobs = token_logprobs(piece.token_ids, piece.logprobs, request.sampling.logprobs)
+                if request.sampling.logprobs is not None and logprobs is not None:
+                    chunk.logprobs = token_logprobs(ids, logprobs, request.sampling.logprobs)
                 if first:
                     if kept:  # the verified prefix goes out ahead of what follows it
                         chunk.text = self.engine.tokenizer.decode(kept) + chunk.text
@@ -309,6 +335,11 @@ class VLLMService:
                     # vLLM schedules queue and prefill inside one step loop: report them as one.
                     chunk.timings_ms["prefill"] = (time.perf_counter() - start) * 1000
                     chunk.timings_ms["engine_queue"] = 0.0
+                    reused = out.num_cached_tokens or 0  # vLLM's prefix cache, salted by tenant
+                    self.engine.prefix_cache.query_tokens += len(request.prompt_token_ids)
+                    self.engine.prefix_cache.hit_tokens += reused
+                    if reused:
+                        chunk.timings_ms["prefix_reused_tokens"] = float(reused)
                     first = False
                 if out.finished:
                     finished = True

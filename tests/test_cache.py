@@ -103,14 +103,14 @@ def test_context_and_negation_are_not_false_hits(service):
 
 def test_near_miss_becomes_a_lossless_draft(service):
     client = service.openai(api_key="sk-tenant-hint")
-    _ask(client, "What is 15% of 200?", max_tokens=40)
+    _ask(client, "What is 12 times 7?", max_tokens=40)
     stats_before = service.model_stats("TargetModel")
-    hinted = _ask(client, "What is 15% of 300?", max_tokens=40)
+    hinted = _ask(client, "What is 12 times 8?", max_tokens=40)
     assert hinted.headers["x-cache"] == "hint", hinted.headers
     stats_after = service.model_stats("TargetModel")
     assert stats_after["hint_tokens_accepted"] > stats_before["hint_tokens_accepted"], stats_after
     # Verification keeps it exact: the same text as with no cache (and no hint) at all.
-    plain = _ask(client, "What is 15% of 300?", max_tokens=40, headers=NO_CACHE)
+    plain = _ask(client, "What is 12 times 8?", max_tokens=40, headers=NO_CACHE)
     assert plain.headers["x-cache"] == "bypass"
     assert_greedy_agrees(_text(hinted), _text(plain))
 

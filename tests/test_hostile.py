@@ -109,10 +109,19 @@ def test_cache_invalidation_needs_an_admin_key(service):
 
 # --------------------------------------------------------------------------- prefix KV across tenants
 
+# Longer than the largest KV block an engine shares (vLLM's CPU build: 128 tokens): a repeat reuses one.
 PREFIX_PROMPT = (
     "You are a meticulous assistant for a logistics company. Our warehouse in Rotterdam ships pallets of "
-    "machine parts to customers in Germany, Belgium and France every weekday morning. Answer in one word: "
-    "which country is not mentioned twice?"
+    "machine parts to customers in Germany, Belgium and France every weekday morning. Trucks leave at six, "
+    "the ferry to Harwich leaves at nine, and rail freight to Milan departs on Tuesdays and Fridays only. "
+    "Every pallet carries a customs declaration, a packing list and a temperature log; pallets of bearings "
+    "travel dry, pallets of hydraulic pumps travel upright, and pallets of glass sensors travel with foam "
+    "corners. Returns come back through the depot in Antwerp, where they are inspected within two working "
+    "days, photographed, and either restocked, repaired in the workshop in Eindhoven, or scrapped with a "
+    "certificate. Invoices are issued in euros on the day of dispatch and are due within thirty days; "
+    "customers in Switzerland are invoiced in francs. Claims for damage must reach us within seven days of "
+    "delivery with photographs of the pallet and its wrapping. Answer in one word: which country is not "
+    "mentioned twice?"
 )
 
 

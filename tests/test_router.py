@@ -10,6 +10,7 @@ import pytest
 
 from admission.errors import AdmissionError
 from configs.schemas import ClassifierConfig, LoadAwareConfig, RouterConfig
+from configs.serve_config import DEFAULT_SERVE_CONFIG, load_serve_config
 from router.base import RouteFeatures
 from router.classifier import DifficultyClassifier
 from router.dataset import CATEGORIES, examples, fingerprint
@@ -17,6 +18,13 @@ from router.learned import ClassifierRouter
 from router.load import LoadTracker
 from router.rules import RuleRouter
 from telemetry.clock import StageClock
+
+
+@pytest.fixture(scope="module")
+def cpu_profile():
+    """The shipped CPU profile, whatever SERVE_CONFIG names: these are placement's unit tests, and
+    the busy box they exercise is a mechanism of shared CPU boxes (off in the vLLM profiles)."""
+    return load_serve_config(DEFAULT_SERVE_CONFIG)
 
 
 def test_labeled_set_is_deterministic_and_held_out_by_template():
@@ -107,7 +115,7 @@ def test_load_tracker_shifts_toward_the_idle_stage(monkeypatch):
     tracker.finished("unknown-model")  # explicit models outside the pair are ignored
 
 
-def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokenizer, embedder):
+def test_ingress_computes_one_embedding_for_cache_and_router(cpu_profile, tokenizer, embedder):
     """The router waits for the cache lookup and routes on the embedding it brought back; a
     request that skips the cache has its embedding made in the ingress, once."""
     from ingress.context import context_from_headers
@@ -132,7 +140,7 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
             vector = await counting.embed_async(query)
             return Lookup("miss", vector=vector, timings_ms={"cache_exact": 0.01, "embed": 8.0, "cache_semantic": 1.0})
 
-    args = serve_file.args
+    args = cpu_profile.args
     builder = PromptBuilder(tokenizer)
     prompts = {args.target.engine.model_id: builder, args.draft.engine.model_id: builder, "auto": builder}
     pipeline = Pipeline(args, Backends(), prompts, counting)  # type: ignore[arg-type]
@@ -155,7 +163,7 @@ def test_ingress_computes_one_embedding_for_cache_and_router(serve_file, tokeniz
     assert decision.reason == "classifier_hard" and len(counting.texts) == 2
 
 
-def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then_commits(serve_file, tokenizer, embedder):
+def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then_commits(cpu_profile, tokenizer, embedder):
     """The large model is busy, the small one idle, and the batch tier may not be downgraded:
     the router's verdict decides between serving (small) and shedding (large). When the
     embedding behind it is slow (a loaded box), the request is shed after verdict_wait_ms,
@@ -178,7 +186,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
             SlowBackends.answered += 1
             return Lookup("miss", vector=await embedder.embed_async(query))
 
-    args = serve_file.args.model_copy(deep=True)
+    args = cpu_profile.args.model_copy(deep=True)
     args.admission.verdict_wait_ms = 30
     builder = PromptBuilder(tokenizer)
     large, small = args.target.engine.model_id, args.draft.engine.model_id
@@ -291,7 +299,7 @@ class _SlowEmbedder:
         return await self.embedder.embed_async(text)
 
 
-def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_model_in_time(serve_file, tokenizer, embedder):
+def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_model_in_time(cpu_profile, tokenizer, embedder):
     """An idle box takes any request, even one whose first token is predicted past its TTFT
     target. In a tier that allows downgrade, the small model takes it instead when it can
     answer in time; a named model is never moved."""
@@ -301,7 +309,7 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
     from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
 
-    args = serve_file.args.model_copy(deep=True)
+    args = cpu_profile.args.model_copy(deep=True)
     builder = PromptBuilder(tokenizer)
     large, small = args.target.engine.model_id, args.draft.engine.model_id
     pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
@@ -327,7 +335,7 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
     assert asyncio.run(admit(large))[:2] == (large, "classifier_hard")
 
 
-def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rather_than_a_503(serve_file, tokenizer, embedder):
+def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rather_than_a_503(cpu_profile, tokenizer, embedder):
     from admission.gate import Ticket
     from ingress.context import context_from_headers
     from ingress.accounting import Record
@@ -335,7 +343,7 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
 
-    args = serve_file.args.model_copy(deep=True)
+    args = cpu_profile.args.model_copy(deep=True)
     builder = PromptBuilder(tokenizer)
     large, small = args.target.engine.model_id, args.draft.engine.model_id
     pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
@@ -378,7 +386,7 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     assert shed.value.kind == "shed"
 
 
-def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_seat(serve_file, tokenizer, embedder):
+def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_seat(cpu_profile, tokenizer, embedder):
     """host_tuning: both models share the box's cores, so under load the small model takes what
     its tier lets it take; a named model, a tier without downgrade, a full small model, a quiet
     box, or the mechanism off keep the router's choice."""
@@ -390,7 +398,7 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
     from router.base import RouteDecision
 
     def pipeline_with(small_from: int) -> Pipeline:
-        args = serve_file.args.model_copy(deep=True)
+        args = cpu_profile.args.model_copy(deep=True)
         args.host_tuning.busy_box_small_from = small_from
         builder = PromptBuilder(tokenizer)
         large, small = args.target.engine.model_id, args.draft.engine.model_id
@@ -400,7 +408,7 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
             pipeline.admission.estimates[model].itl.add(1, 20.0)
         return pipeline
 
-    serve_args = serve_file.args
+    serve_args = cpu_profile.args
     large, small = serve_args.target.engine.model_id, serve_args.draft.engine.model_id
     assert serve_args.host_tuning.small_from == 1  # the default CPU profile has it on, from one running
 
@@ -466,7 +474,7 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
     assert admit(off)[:2] == (large, "classifier_hard")
 
 
-def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats(serve_file, tokenizer, embedder):
+def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats(cpu_profile, tokenizer, embedder):
     """Standard tier (no first-token target, may queue): the small model's seats are taken and
     the large model is free, so it starts on the large one now instead of waiting for a seat."""
     from admission.gate import Ticket
@@ -476,7 +484,7 @@ def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats
     from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
 
-    args = serve_file.args.model_copy(deep=True)
+    args = cpu_profile.args.model_copy(deep=True)
     builder = PromptBuilder(tokenizer)
     large, small = args.target.engine.model_id, args.draft.engine.model_id
     pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
@@ -500,7 +508,7 @@ def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats
     assert asyncio.run(admit("auto")) == (large, "deadline_upgrade")
 
 
-def test_the_router_counts_a_prompt_without_its_system_message(serve_file, tokenizer, embedder):
+def test_the_router_counts_a_prompt_without_its_system_message(cpu_profile, tokenizer, embedder):
     """A long system prompt seen before and a short question is not a long prompt; a long
     question is, and so is a long system message seen for the first time."""
     from ingress.context import context_from_headers
@@ -508,7 +516,7 @@ def test_the_router_counts_a_prompt_without_its_system_message(serve_file, token
     from ingress.pipeline import Pipeline
     from ingress.prompts import PromptBuilder
 
-    args = serve_file.args.model_copy(deep=True)
+    args = cpu_profile.args.model_copy(deep=True)
     builder = PromptBuilder(tokenizer)
     large, small = args.target.engine.model_id, args.draft.engine.model_id
     pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from configs.schemas import ModelStageConfig, VLLMConfig
 from configs.serve_config import load_serve_config
 from engines.types import GenerateRequest, SamplingParams
 from engines.cpu_features import cpu_flags
-from engines.vllm_service import (LOGPROB_FLOOR, agreed, engine_args, resolve_dtype, sampling_params, token_logprobs,
+from engines.vllm_service import (LOGPROB_FLOOR, agreed, answer_part, engine_args, resolve_dtype, sampling_params, token_logprobs,
                                   verifiable)
 
 GPU_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml"
@@ -80,6 +80,22 @@ def test_vllm_log_probabilities_take_the_cpu_engines_shape():
     assert out[0] == ("Hi", -0.1, [("Hi", -0.1), ("Hey", -2.5)])
     assert out[1] == (" there", -3.0, [("!", -0.2), ("?", LOGPROB_FLOOR)]), "the chosen one, ranked 3rd, is not in the top 2"
     assert token_logprobs([5], positions[:1], 0) == [("Hi", -0.1, [])], "top_logprobs 0: the chosen token only"
+
+
+def test_the_stop_token_is_neither_counted_nor_given_a_log_probability_as_on_the_cpu_engines():
+    """vLLM's last delta holds the end-of-sequence (or another stop) token; the text leaves it
+    out, and so do the CPU engines' usage and log-probabilities. A stop string's last token is
+    part of the answer's tokens on every engine; a length cut keeps every token."""
+    from types import SimpleNamespace as Piece
+
+    eos = Piece(token_ids=[11, 2], logprobs=["a", "b"], finish_reason="stop", stop_reason=None)
+    assert answer_part(eos) == ([11], ["a"])
+    assert answer_part(Piece(token_ids=[11, 0], logprobs=None, finish_reason="stop", stop_reason=0)) == ([11], None)
+    for kept in (Piece(token_ids=[11, 12], logprobs=None, finish_reason="stop", stop_reason="\n"),
+                 Piece(token_ids=[11, 12], logprobs=None, finish_reason="length", stop_reason=None),
+                 Piece(token_ids=[11, 12], logprobs=None, finish_reason=None, stop_reason=None)):
+        assert answer_part(kept) == ([11, 12], None), kept
+    assert answer_part(Piece(token_ids=[], logprobs=None, finish_reason="stop", stop_reason=None)) == ([], None)
 
 
 def test_a_hint_is_kept_up_to_the_first_token_the_model_does_not_rank_first():
