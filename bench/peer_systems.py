@@ -73,7 +73,7 @@ class PeerSystem:
         with open(self.log_path, "ab") as log:
             # Its own process group: stop() signals the whole tree it started, nothing else.
             self.proc = subprocess.Popen(self.command(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_interruptible)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -116,6 +116,12 @@ class PeerSystem:
         if not path.exists():
             raise SystemUnavailable(f"{self.name}: {path.relative_to(REPO)} is missing; run `bash scripts/peers.sh`")
         return path
+
+
+def _interruptible() -> None:
+    """In the child: SIGINT stops it gracefully even where this bench runs in the background
+    (a shell starts background jobs with SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 SYSTEMS: dict[str, type[PeerSystem]] = {}

@@ -88,6 +88,31 @@ def _frame(obj: Any) -> bytes:
 _CANCEL = "__cancel__"  # a call's name that cancels the call with that id
 
 
+class _Outbox:
+    """A connection's outgoing frames, sent together once per turn of the event loop. A model
+    step ends many streams' tokens at once; sent frame by frame, each is a system call and a
+    wake-up of the reading process, per token. Gathered, one step's tokens cross in one write
+    and wake the reader once, at no delay: the flush runs as soon as the loop is free."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self._frames: list[bytes] = []
+
+    def put(self, frame: bytes) -> None:
+        if not self._frames:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._frames.append(frame)
+
+    def _flush(self) -> None:
+        frames, self._frames = self._frames, []
+        if not self.writer.is_closing():
+            self.writer.write(b"".join(frames))
+
+    async def drain(self) -> None:
+        """Wait while the reader is behind by more than the transport's buffer (backpressure)."""
+        await self.writer.drain()
+
+
 class ChannelServer:
     """Serves `methods` (name -> async function, or async generator function for a stream) on
     a Unix socket until `close()`. A caller that hangs up cancels its calls still running (a
@@ -130,6 +155,7 @@ class ChannelServer:
             writer.close()
             return
         self._writers.add(writer)
+        outbox = _Outbox(writer)
         calls: dict[int, asyncio.Task] = {}
         try:
             while True:
@@ -139,9 +165,9 @@ class ChannelServer:
                         task.cancel()
                     continue
                 if self._draining:  # the caller takes another way (the handle) and stops coming here
-                    writer.write(_frame((call_id, "refused", "the replica is shutting down")))
+                    outbox.put(_frame((call_id, "refused", "the replica is shutting down")))
                     continue
-                task = asyncio.ensure_future(self._answer(writer, call_id, name, args))
+                task = asyncio.ensure_future(self._answer(outbox, call_id, name, args))
                 calls[call_id] = task
                 self._running.add(task)
                 task.add_done_callback(lambda t, call_id=call_id: (calls.pop(call_id, None), self._running.discard(t)))
@@ -153,14 +179,14 @@ class ChannelServer:
                 task.cancel()
             writer.close()
 
-    async def _answer(self, writer: asyncio.StreamWriter, call_id: int, name: str, args: tuple) -> None:
+    async def _answer(self, outbox: _Outbox, call_id: int, name: str, args: tuple) -> None:
         try:
             result = self._methods[name](*args)
             if inspect.isasyncgen(result):
                 try:
                     async for item in result:
-                        writer.write(_frame((call_id, "item", item)))
-                        await writer.drain()  # a caller that stopped reading holds the stream here
+                        outbox.put(_frame((call_id, "item", item)))
+                        await outbox.drain()  # a caller that stopped reading holds the stream here
                 finally:
                     await result.aclose()
                 reply = (call_id, "end", None)
@@ -168,8 +194,7 @@ class ChannelServer:
                 reply = (call_id, "ok", await result)
         except Exception as exc:  # the caller raises it (RemoteError); the channel goes on
             reply = (call_id, "error", f"{type(exc).__name__}: {exc}")
-        if not writer.is_closing():
-            writer.write(_frame(reply))
+        outbox.put(_frame(reply))
 
     async def drain(self, timeout_s: float) -> None:
         """For a graceful shutdown: refuse new calls, give those running up to `timeout_s` to

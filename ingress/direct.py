@@ -52,8 +52,9 @@ class CancelOnDisconnect:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 complete = True
             try:  # a full socket buffer blocks the send: a reader that stalls is cut
-                await asyncio.wait_for(send(message), self.send_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await send(message)
+            except TimeoutError:
                 self.stalled += 1
                 raise ReaderStalled from None
 

@@ -99,8 +99,10 @@ class ModelCalls:
         assert stream is not None
         remaining = p.ctx.remaining_s(self.args.ingress.request_timeout_s)
         try:
-            return await asyncio.wait_for(stream.__anext__(), timeout=max(0.001, remaining))
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: no task of its own for each token.
+            async with asyncio.timeout(max(0.001, remaining)):
+                return await stream.__anext__()
+        except TimeoutError:
             stream.cancel()
             raise APIError(504, "the request's deadline passed while generating", code="deadline_exceeded") from None
         except StopAsyncIteration:

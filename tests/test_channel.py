@@ -207,6 +207,45 @@ def test_streams_end_fail_and_cancel_at_the_other_end():
     asyncio.run(scenario())
 
 
+def test_the_tokens_of_one_step_cross_in_one_write(monkeypatch):
+    """Sixteen streams whose items come out of one model step (one event set): their frames go
+    out together, one write per step, not one per token, and each stream gets its own, in order."""
+    writes: list[int] = []
+    real_write = asyncio.StreamWriter.write
+
+    def counted(self, data):
+        writes.append(len(data))
+        return real_write(self, data)
+
+    step = {"event": None}
+
+    async def tokens(n: int):
+        for i in range(n):
+            await step["event"].wait()
+            yield i
+
+    async def scenario():
+        server = await ChannelServer({"tokens": tokens}).start()
+        client = await ChannelClient(server.path, server.secret).connect()
+        try:
+            step["event"] = asyncio.Event()
+            streams = [client.stream("tokens", 3) for _ in range(16)]
+            await asyncio.sleep(0.05)  # every call has arrived and waits on the step
+            monkeypatch.setattr(asyncio.StreamWriter, "write", counted)
+            step["event"].set()  # one step: all 16 streams produce all their items
+            async def read(stream):
+                return [i async for i in stream]
+
+            got = await asyncio.gather(*(read(s) for s in streams))
+            assert got == [[0, 1, 2]] * 16
+            assert 1 <= len(writes) <= 4, f"{len(writes)} writes for 48 items and 16 ends"
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_whose_deployment_autoscales_offers_no_channel(monkeypatch):
     """Serve autoscales on the calls it sees; calls over the channel it would not see."""
     from types import SimpleNamespace
