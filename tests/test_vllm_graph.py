@@ -18,7 +18,9 @@ def vllm_graph():
     pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/peers.sh vllm ours_vllm")
     from vllm.platforms import current_platform
 
-    from bench.local import running_service
+    import ray
+
+    from bench.local import another_app, free_port, running_service
 
     serve_file = load_serve_config(CPU_EXACT_CONFIG.with_name("cpu-vllm.yaml" if current_platform.is_cpu() else "gpu.yaml"))
 
@@ -28,8 +30,16 @@ def vllm_graph():
         args.target.engine.vllm.dtype = "float32"
         args.admission.mode = "fifo"
 
+    model = serve_file.args.target.engine.model_id
+    if ray.is_initialized():  # the suite's own service runs (SERVE_CONFIG, scripts/test-vllm.sh): one more app beside it
+        args = serve_file.args.model_copy(deep=True)
+        exact(args)
+        args.ingress.direct_host, args.ingress.direct_port = "127.0.0.1", free_port()
+        with another_app(serve_file, args, "vllm-exact", "", startup_timeout_s=400) as base:
+            yield base, model
+        return
     with running_service(serve_file, tweak=exact) as base:
-        yield base, serve_file.args.target.engine.model_id
+        yield base, model
 
 
 def test_logprobs_on_vllm_take_the_cpu_engines_shape(vllm_graph):
