@@ -68,7 +68,7 @@ class Service:
         return handle.stats.remote().result(timeout_s=30)
 
 
-def tested_profile():
+def profile_under_test():
     """serve_config.yaml, or the profile SERVE_CONFIG names (e.g. configs/cpu-vllm.yaml or
     configs/gpu.yaml: the API tests against the vLLM engine)."""
     return load_serve_config(os.environ.get("SERVE_CONFIG") or DEFAULT_SERVE_CONFIG)
@@ -80,7 +80,7 @@ def assert_greedy_agrees(a: str, b: str) -> None:
     llama.cpp sums a run of tokens in another order than one token (GEMM against GEMV), and vLLM's
     kernels change with the batch's shape, so with either target a near-tie can flip late in an
     answer: there the openings must agree (configs/cpu-exact.yaml gives batch-independent answers)."""
-    if tested_profile().args.target.engine.kind != "transformers":
+    if profile_under_test().args.target.engine.kind != "transformers":
         n = min(len(a), len(b), 20)
         assert n > 0 and a[:n] == b[:n], (a, b)
     else:
@@ -114,7 +114,7 @@ def engine(exact_serve_file):
 
 @pytest.fixture(scope="session")
 def serve_file():
-    return tested_profile()
+    return profile_under_test()
 
 
 @pytest.fixture(scope="session")

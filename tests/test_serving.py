@@ -18,11 +18,11 @@ from tests.conftest import (
     TEST_BODY_TIMEOUT_S,
     TEST_MAX_INFLIGHT,
     assert_greedy_agrees,
-    tested_profile,
+    profile_under_test,
 )
 
 # The profile's own model ids (serve_config.yaml: smollm2-135m-instruct and -q4).
-_PROFILE = tested_profile().args
+_PROFILE = profile_under_test().args
 TARGET = _PROFILE.target.engine.model_id
 SMALL = _PROFILE.draft.engine.model_id
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
