@@ -240,6 +240,9 @@ class VLLMService:
     def close(self) -> None:
         """Stop vLLM's engine-core process and free the device memory it holds."""
         self.llm.shutdown()
+        # Let it go now: left to the interpreter's exit, its finalizer shuts down again with
+        # the modules it needs already torn down, and prints a TypeError.
+        del self.llm
 
     def late_hint(self, request_id: str, hint_ids: list[int]) -> bool:
         return False  # vLLM takes no draft once a request runs (see the module docstring)
