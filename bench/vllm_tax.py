@@ -54,7 +54,7 @@ class _Alone(VLLMServe):
 
 class _Graph(OurVLLMProfile):
     dtype = "float32"
-    model = "smollm2-135m-instruct"
+    model = MODEL  # the target named, as `vllm serve` serves it: the router keeps it there
 
     def prepare(self) -> None:
         self.profile = _profile_path()

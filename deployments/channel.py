@@ -108,10 +108,6 @@ class _Outbox:
         if not self.writer.is_closing():
             self.writer.write(b"".join(frames))
 
-    async def drain(self) -> None:
-        """Wait while the reader is behind by more than the transport's buffer (backpressure)."""
-        await self.writer.drain()
-
 
 class ChannelServer:
     """Serves `methods` (name -> async function, or async generator function for a stream) on
@@ -186,7 +182,7 @@ class ChannelServer:
                 try:
                     async for item in result:
                         outbox.put(_frame((call_id, "item", item)))
-                        await outbox.drain()  # a caller that stopped reading holds the stream here
+                        await outbox.writer.drain()  # a caller that stopped reading holds the stream here
                 finally:
                     await result.aclose()
                 reply = (call_id, "end", None)

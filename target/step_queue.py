@@ -47,8 +47,8 @@ class StepQueue:
     def put_back(self, steps: list[Step]) -> bool:
         """Steps a job leaves for later because a prompt goes ahead of them: they keep their place
         at the front. True when the caller must schedule a job for them. One runner at most: a
-        request answered while the job ran may have scheduled one, and a second would run a turn
-        ahead of each later prompt."""
+        request answered while a job runs may schedule another, and two runners would put a
+        turn ahead of each later prompt."""
         with self._lock:
             self._pending = [*steps, *self._pending]
             schedule, self._scheduled = not self._scheduled, True
