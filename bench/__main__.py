@@ -35,7 +35,7 @@ SUITES = {
     "sweep": "bench.sweep",  # no headers, 1-16 concurrent clients on the shipped config: answered, refused and why
     "guidellm": "bench.guidellm",  # guidellm (a public load tool, own env) at 1-8 streams, no headers
     "cluster": "bench.cluster",  # a 4-node local Ray cluster vs one node: cache hit rates, node loss, fleet admission
-    "peers": "bench.peers",  # vs vllm serve, Ray Serve LLM, llama.cpp server: guidellm, 4 workloads, goodput
+    "peers": "bench.peers",  # vs llama-server and vllm serve, a row per precision: guidellm, 4 workloads, goodput
     "load": "bench.load",  # open-loop Poisson load at 0.5-4x capacity, admission on vs off: goodput, tails, shedding
     "hostile": "bench.hostile",  # one attacker per attack class beside one ordinary tenant: /health, bystander TTFT
     "vllm_verify": "bench.vllm_verify",  # vLLM: a cached answer verified in one prefill vs a miss (vLLM installed)
@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="engines suite: profile (each engine as configured; the default), float32 or bfloat16 "
                         "for both engines")
     parser.add_argument("--systems", default=None,
-                        help="peers suite: which systems, comma-separated (default: all, bench/peer_systems.py)")
+                        help="peers suite: which systems, comma-separated (default: bench/peers.py DEFAULT_SYSTEMS)")
+    parser.add_argument("--rates", default=None,
+                        help="peers suite: the grid of offered requests/s, comma-separated (default: bench/peers.py GRID)")
+    parser.add_argument("--repetitions", type=int, default=None,
+                        help="floor and peers suites: how many times to run the whole set (default 3)")
     args = parser.parse_args(argv)
 
     os.environ.update(OFFLINE_ENV)
@@ -75,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         if "dtype" not in inspect.signature(suite.run).parameters:
             parser.error(f"--dtype does not apply to the {args.suite} suite")
         kwargs["dtype"] = args.dtype
-    if args.systems is not None:
-        if "systems" not in inspect.signature(suite.run).parameters:
-            parser.error(f"--systems does not apply to the {args.suite} suite")
-        kwargs["systems"] = args.systems
+    for option in ("systems", "rates", "repetitions"):
+        value = getattr(args, option)
+        if value is None:
+            continue
+        if option not in inspect.signature(suite.run).parameters:
+            parser.error(f"--{option} does not apply to the {args.suite} suite")
+        kwargs[option] = value
     if "out" in inspect.signature(suite.run).parameters:  # suites that draw plots put them beside the JSON
         kwargs["out"] = args.out
     result = suite.run(**kwargs)

