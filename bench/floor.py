@@ -19,41 +19,14 @@ and output tokens/s (higher is better).
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
-from bench.peer_systems import SYSTEMS, SystemUnavailable, safetensors_dir
+from bench.peer_systems import SYSTEMS, SystemUnavailable, safetensors_dir, wait_idle
 from bench.peers import GUIDELLM, REPORTS, _dist, _guidellm, _warm
 
 PAIRS = (("ours-f32", "llama-server"), ("ours-q4", "llama-server-q4"), ("ours-bare", "llama-server"))
 STREAMS = (1, 4, 8)
 PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64
-IDLE_CORES = 0.3  # the box counts as idle below this many busy cores
-
-
-def _busy_cores(seconds: float = 2.0) -> float:
-    """Cores the whole box kept busy (not idle, not waiting for I/O) over `seconds`."""
-    def ticks() -> tuple[int, int]:
-        with open("/proc/stat", "rb") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-        return sum(fields) - fields[3] - fields[4], sum(fields)
-
-    busy0, all0 = ticks()
-    time.sleep(seconds)
-    busy1, all1 = ticks()
-    return (busy1 - busy0) / max(1, all1 - all0) * (os.cpu_count() or 1)
-
-
-def wait_idle(timeout_s: float = 60.0) -> float:
-    """Wait until the box is idle (the previous system's processes gone); the load seen last."""
-    deadline = time.monotonic() + timeout_s
-    load = _busy_cores()
-    while load >= IDLE_CORES and time.monotonic() < deadline:
-        load = _busy_cores()
-    return round(load, 3)
-
-
 def _scenario(base: str, model: str, seconds: float) -> dict:
     body = {"temperature": 0, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True}
     return {

@@ -125,6 +125,32 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+IDLE_CORES = 0.3  # the box counts as idle below this many busy cores
+
+
+def _busy_cores(seconds: float = 2.0) -> float:
+    """Cores the whole box kept busy (not idle, not waiting for I/O) over `seconds`."""
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat", "rb") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)
+
+    busy0, all0 = ticks()
+    time.sleep(seconds)
+    busy1, all1 = ticks()
+    return (busy1 - busy0) / max(1, all1 - all0) * (os.cpu_count() or 1)
+
+
+def wait_idle(timeout_s: float = 60.0) -> float:
+    """Wait until the box is idle (the previous system's processes gone); the load seen last."""
+    deadline = time.monotonic() + timeout_s
+    load = _busy_cores()
+    while load >= IDLE_CORES and time.monotonic() < deadline:
+        load = _busy_cores()
+    return round(load, 3)
+
+
+
 SYSTEMS: dict[str, type[PeerSystem]] = {}
 
 

@@ -18,13 +18,12 @@ out reworded pairs are split between the points), so no answer cached at one poi
 next. Each system's capacity is measured once by the same probe (guidellm's throughput profile,
 `PROBE_STREAMS` streams, chat rows) and reported beside the grid, which should pass every knee.
 
-Goodput is over the requests created, not over what the load tool saw or a system's own window:
-requests meeting TTFT <= `SLO["ttft_ms"]` and time per output token <= `SLO["tpot_ms"]`, divided by
-the arrival window (the same for every system); `attainment` divides them by the rows created,
-so a request the tool dropped, a refusal, or one still running `DRAIN_S` after the last arrival
-counts as missed. `repetitions` runs the whole set that many times, the systems' order rotating;
-every figure is reported as the median and the spread (min-max). guidellm's reports are kept in
-bench/results/peers/; a plot per workload.
+Goodput is over the rate offered, not over a system's own window: `attainment` is the share of
+the requests sent that met TTFT <= `SLO["ttft_ms"]` and time per output token <= `SLO["tpot_ms"]`
+(a refusal, or a request still running `DRAIN_S` after the last arrival, counts as missed), and
+goodput is that share of the trace's rows over its arrival window, the same for every system. `repetitions` runs the whole set that many times, the systems' order rotating;
+every figure is reported as the median and the spread (min-max). guidellm's reports are kept,
+gzipped, in bench/results/peers/; a plot per workload.
 """
 
 from __future__ import annotations
@@ -32,13 +31,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from bench.peer_systems import PEERS, SYSTEMS, PeerSystem, SystemUnavailable, safetensors_dir
+from bench.peer_systems import PEERS, SYSTEMS, PeerSystem, SystemUnavailable, safetensors_dir, wait_idle
 from bench.peer_workloads import OUTPUT_TOKENS, WORKLOADS
 from bench.peer_workloads import write as write_workload
 
@@ -98,6 +98,15 @@ def _guidellm(scenario: dict, report: Path, timeout_s: float) -> dict:
     return json.loads(report.read_text())
 
 
+def keep(report: Path) -> None:
+    """guidellm's report, kept beside the result gzipped (they compress ~10x)."""
+    import gzip
+
+    with open(report, "rb") as src, gzip.open(report.with_suffix(".json.gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    report.unlink()
+
+
 def _dist(metric: dict | None, scale: float = 1.0) -> dict:
     ok = (metric or {}).get("successful") or {}
     pct = ok.get("percentiles") or {}
@@ -130,10 +139,18 @@ def summarize(report: dict, created: int | None = None, window_s: float | None =
         "duration_s": round(bench.get("duration") or 0.0, 1),
     }
     if created is not None and window_s:
-        point.update(created=created, dropped=max(0, created - sent),
-                     goodput_rps=round(conforming / window_s, 3),
-                     attainment=round(conforming / created, 3) if created else None)
+        point.update(created=created, dropped=max(0, created - sent), **rates(conforming, sent, created, window_s))
     return point
+
+
+def rates(conforming: int, sent: int, created: int, window_s: float) -> dict:
+    """Attainment is over the requests the load tool sent (answered, refused or still running);
+    goodput is that share of the rate offered, the trace's rows over its window: the same
+    denominator for every system, whichever request the tool failed to send (guidellm's replay
+    can lose one that arrives at the window's very end)."""
+    attainment = conforming / sent if sent else 0.0
+    return {"attainment": round(attainment, 3), "goodput_rps": round(attainment * created / window_s, 3),
+            "offered_rps": round(created / window_s, 3)}
 
 
 def _warm(base: str, model: str) -> None:
@@ -166,6 +183,7 @@ def _capacity(system: PeerSystem, base: str, folder: Path) -> dict:
     scenario = _scenario(base, system.model, data, OUTPUT_TOKENS["chat"],
                          {"kind": "throughput", "max_concurrency": PROBE_STREAMS}, PROBE_S, None)
     point = summarize(_guidellm(scenario, report, PROBE_S * 3 + 300))
+    keep(report)
     return {"requests_per_s": point["requests_per_s"], "streams": PROBE_STREAMS, "seconds": PROBE_S,
             "ttft_ms": point["ttft_ms"], "itl_ms": point["itl_ms"]}
 
@@ -173,8 +191,6 @@ def _capacity(system: PeerSystem, base: str, folder: Path) -> dict:
 def _workload(system: PeerSystem, workload: str, grid: tuple[float, ...], rep: int, seconds: float, folder: Path,
               probe: bool, progress) -> dict:
     """One start of `system`: (the capacity probe,) then `workload` at every rate of the grid."""
-    from bench.floor import wait_idle
-
     out: dict = {"idle_cores_before": wait_idle(), "points": {}}
     base = system.start()
     try:
@@ -189,6 +205,7 @@ def _workload(system: PeerSystem, workload: str, grid: tuple[float, ...], rep: i
                                  {"kind": "replay", "schedule_turn": "timestamp"}, seconds + DRAIN_S,
                                  BURST_HEADERS if workload == "burst" else None)
             point = summarize(_guidellm(scenario, report, seconds * 4 + 300), created, seconds)
+            keep(report)
             out["points"][rate] = {"trace_sha256": digest, **point}
             progress(f"{system.name} {workload} {rate} rps (run {rep + 1}): goodput {point['goodput_rps']} rps, "
                      f"attainment {point['attainment']}, TTFT p50 {point['ttft_ms']['p50']} ms")
@@ -246,23 +263,19 @@ def check_same_traces(runs: dict[str, dict[str, list[dict]]]) -> int:
 
 
 def comparisons(table: dict, systems: dict[str, str]) -> dict:
-    """Within each precision row, every system's median goodput over the row's best peer's, and
-    the shipped config's over the best of every peer, per workload and rate."""
+    """Each of ours against each peer it is compared with: the peers of its precision row (the
+    shipped config against every peer), its median goodput over theirs per workload and rate."""
     ours = {n for n in systems if n.startswith("ours")}
     out: dict = {}
-    for name in table:
-        row_peers = [p for p in table if p not in ours and (systems[p] == systems[name] or systems[name] == "shipped")]
-        if name not in ours or not row_peers:
-            continue
-        for workload, rates in table[name].items():
-            for rate, figs in rates.items():
-                best = max(((table[p].get(workload, {}).get(rate, {}).get("goodput_rps", {}).get("median"), p)
-                            for p in row_peers), key=lambda t: t[0] or 0)
+    for name in sorted(ours & set(table)):
+        peers = [p for p in table if p not in ours and systems[name] in (systems[p], "shipped")]
+        for workload, by_rate in table[name].items():
+            for rate, figs in by_rate.items():
                 mine = figs["goodput_rps"]["median"]
-                out.setdefault(name, {}).setdefault(workload, {})[rate] = {
-                    "against": best[1], "goodput": mine, "peer_goodput": best[0],
-                    "ratio": round(mine / best[0], 3) if mine is not None and best[0] else None,
-                }
+                for peer in peers:
+                    theirs = table[peer].get(workload, {}).get(rate, {}).get("goodput_rps", {}).get("median")
+                    ratio = round(mine / theirs, 3) if mine is not None and theirs else None
+                    out.setdefault(name, {}).setdefault(peer, {}).setdefault(workload, {})[rate] = ratio
     return out
 
 

@@ -164,16 +164,18 @@ def test_every_system_gets_the_same_trace_and_a_mismatch_fails_the_run(tmp_path)
         check_same_traces({"x": {"chat": start(a[2])}, "y": {"chat": start("0" * 16)}})
 
 
-def test_goodput_counts_over_the_requests_created_not_what_the_tool_saw():
-    """A request the load tool dropped, and a system's longer window, cannot flatter it."""
+def test_goodput_is_a_share_of_the_rate_offered_not_of_a_systems_own_window():
+    """A request still running at the end counts as missed; one the load tool never sent does
+    not count against the system, and its longer window cannot flatter it."""
     from bench.peers import summarize
 
     report = {"benchmarks": [{"duration": 80.0, "metrics": {
-        "request_totals": {"successful": 18, "errored": 0, "incomplete": 0},
-        "slo_attainment": 1.0, "slo_determined_requests": 18,
+        "request_totals": {"successful": 16, "errored": 1, "incomplete": 2},
+        "slo_attainment": 15 / 17, "slo_determined_requests": 17,
     }}]}
     point = summarize(report, created=20, window_s=10.0)
-    assert point["goodput_rps"] == 1.8 and point["attainment"] == 0.9 and point["dropped"] == 2
+    assert point["dropped"] == 1 and point["offered_rps"] == 2.0
+    assert point["attainment"] == round(15 / 19, 3) and point["goodput_rps"] == round(15 / 19 * 2.0, 3)
 
 
 def test_each_system_is_compared_within_its_precision_row_and_the_shipped_one_with_every_peer():
@@ -186,7 +188,7 @@ def test_each_system_is_compared_within_its_precision_row_and_the_shipped_one_wi
     goodput = {"ours": 1.0, "ours-bare": 0.5, "ours-q4": 0.8, "llama-server": 0.6, "llama-server-q4": 0.9, "vllm": 0.7}
     table = {n: {"chat": {"1.0": {"goodput_rps": spread([g])}}} for n, g in goodput.items()}
     got = comparisons(table, rows)
-    assert got["ours-bare"]["chat"]["1.0"] == {"against": "vllm", "goodput": 0.5, "peer_goodput": 0.7, "ratio": 0.714}
-    assert got["ours-q4"]["chat"]["1.0"]["against"] == "llama-server-q4"
-    assert got["ours"]["chat"]["1.0"]["against"] == "llama-server-q4", "the shipped row meets the best of every peer"
+    assert got["ours-bare"] == {"llama-server": {"chat": {"1.0": 0.833}}, "vllm": {"chat": {"1.0": 0.714}}}
+    assert got["ours-q4"] == {"llama-server-q4": {"chat": {"1.0": 0.889}}}
+    assert set(got["ours"]) == {"llama-server", "llama-server-q4", "vllm"}, "the shipped row meets every peer"
     assert spread([3, 1, 2, None]) == {"median": 2, "min": 1, "max": 3}
