@@ -99,7 +99,7 @@ def _guidellm(scenario: dict, report: Path, timeout_s: float) -> dict:
 
 
 def keep(report: Path) -> None:
-    """guidellm's report, kept beside the result gzipped (they compress ~10x)."""
+    """guidellm's report, kept beside the result, gzipped (per-request timings compress well)."""
     import gzip
 
     with open(report, "rb") as src, gzip.open(report.with_suffix(".json.gz"), "wb") as dst:
