@@ -21,6 +21,8 @@ def main() -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
+    # More CPUs than a 2-core box has: with the box's own count, the app's replicas and the
+    # engine's placement bundle do not all fit, and it never becomes ready.
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
     config = LLMConfig(
         model_loading_config={"model_id": args.model_id, "model_source": args.model_dir},
