@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.peer_systems import SYSTEMS, SystemUnavailable, safetensors_dir, wait_idle
-from bench.peers import GUIDELLM, REPORTS, _dist, _guidellm, _warm
+from bench.peers import GUIDELLM, REPORTS, _dist, _guidellm, _warm, spread
 
 PAIRS = (("ours-f32", "llama-server"), ("ours-q4", "llama-server-q4"), ("ours-bare", "llama-server"))
 STREAMS = (1, 4, 8)
@@ -71,13 +71,6 @@ def _measure(name: str, workdir: Path, seconds: float, rep: int) -> dict:
     finally:
         system.stop()
     return {"idle_cores_before": idle_before, "levels": _levels(report)}
-
-
-def _spread(values: list[float | None]) -> dict:
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return {"median": None, "min": None, "max": None}
-    return {"median": vals[len(vals) // 2], "min": vals[0], "max": vals[-1]}
 
 
 def _plot(systems: dict, out: Path) -> str:
@@ -149,9 +142,9 @@ def run(quick: bool = False, repetitions: int | None = None, out: str | None = N
             "engine": SYSTEMS[name].engine,
             "levels": {
                 streams: {
-                    "itl_ms_p50": _spread(figure(name, streams, "itl_ms")),
-                    "ttft_ms_p50": _spread(figure(name, streams, "ttft_ms")),
-                    "output_tokens_per_s": _spread(figure(name, streams, "output_tokens_per_s")),
+                    "itl_ms_p50": spread(figure(name, streams, "itl_ms")),
+                    "ttft_ms_p50": spread(figure(name, streams, "ttft_ms")),
+                    "output_tokens_per_s": spread(figure(name, streams, "output_tokens_per_s")),
                     "errored": sum(v or 0 for v in figure(name, streams, "errored")),
                 }
                 for streams in STREAMS
