@@ -139,11 +139,11 @@ def summarize(report: dict, created: int | None = None, window_s: float | None =
         "duration_s": round(bench.get("duration") or 0.0, 1),
     }
     if created is not None and window_s:
-        point.update(created=created, dropped=max(0, created - sent), **rates(conforming, sent, created, window_s))
+        point.update(created=created, dropped=max(0, created - sent), **goodput(conforming, sent, created, window_s))
     return point
 
 
-def rates(conforming: int, sent: int, created: int, window_s: float) -> dict:
+def goodput(conforming: int, sent: int, created: int, window_s: float) -> dict:
     """Attainment is over the requests the load tool sent (answered, refused or still running);
     goodput is that share of the rate offered, the trace's rows over its window: the same
     denominator for every system, whichever request the tool failed to send (guidellm's replay
