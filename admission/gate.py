@@ -6,7 +6,9 @@ who is queued ahead, the fleet's load from the controller) and online service-ti
 
     start now      a slot is free, nobody more urgent waits, it meets its own deadlines, and
                    the requests already running still meet theirs with one more sequence
-                   sharing the model's decode steps;
+                   sharing the model's decode steps; with a per-token target (`tpot_ms`), the
+                   predicted time between tokens at one more sequence is within it, for it
+                   and for every running request;
     queue          it can't start now but is predicted to make it if it starts when the
                    running requests ahead of it finish; waits in (priority, deadline) order
                    (EDF within a tier), and is dropped the moment its latest useful start
@@ -213,6 +215,8 @@ class AdmissionGate:
             return False
         if t.deadline is not None and now + last_ms / 1000 > t.deadline:
             return False
+        if not self._paced(t, c):
+            return False
         stall = first_ms / 1000  # its prefill holds up the others' decode steps
         for r in self.running:
             if r.deadline is None:
@@ -220,6 +224,16 @@ class AdmissionGate:
             est = self.estimates[r.model_id]
             slowdown = est.itl_ms(c) / max(1e-6, est.itl_ms(r.concurrency_at_start))
             if now + max(0.0, r.finish_at - now) * slowdown + stall > r.deadline:
+                return False
+        return True
+
+    def _paced(self, t: Ticket, concurrency: float) -> bool:
+        """With `concurrency` sequences on the box, is the predicted time between tokens within
+        the per-token target of `t` and of every running request that has one? Past the box's
+        knee another sequence adds no tokens a second, only time to every stream's tokens: it
+        waits for one to end instead."""
+        for r in (t, *self.running):
+            if r.tpot_ms is not None and self.estimates[r.model_id].itl_ms(concurrency) * self.safety > r.tpot_ms:
                 return False
         return True
 
@@ -231,7 +245,8 @@ class AdmissionGate:
         no one (a prompt too long for the TTFT target would get 503s forever). An idle model on
         a busy box takes a request whose first token it can deliver in time, even if the whole
         answer is predicted late (output length is a guess), but not one that would hold the
-        shared cores past its TTFT target while others wait. Either way, a request whose first
+        shared cores past its TTFT target while others wait, or slow the box's streams past
+        their per-token targets. Either way, a request whose first
         token could not even arrive before its end-to-end deadline is shed: it is hopeless."""
         idle_box = self.concurrency() == 0
         if not idle_box and not self._idle(t.model_id):
@@ -242,7 +257,7 @@ class AdmissionGate:
         first_ms += self._prefills_ahead_ms(now, t.model_id)
         if t.deadline is not None and now + first_ms / 1000 > t.deadline:
             return False
-        return idle_box or self._first_in_time(t, now, first_ms)
+        return idle_box or (self._first_in_time(t, now, first_ms) and self._paced(t, self.concurrency() + 1))
 
     def predict(self, t: Ticket, ahead: list[Ticket], now: float) -> Prediction:
         """When `t` would start and finish if it waited behind `ahead`: each departure of a

@@ -95,7 +95,7 @@ class AdmissionPolicy:
     def ticket(self, model_id: str, ctx: RequestContext, tier: TierConfig, prompt_tokens: int, max_tokens: int) -> Ticket:
         return Ticket(
             model_id, ctx.tier, tier.priority, prompt_tokens, max_tokens,
-            deadline=ctx.target_deadline, ttft_deadline=ctx.ttft_deadline, arrived=ctx.received,
+            deadline=ctx.target_deadline, ttft_deadline=ctx.ttft_deadline, tpot_ms=tier.tpot_ms, arrived=ctx.received,
             max_wait=None if tier.max_queue_ms is None else tier.max_queue_ms / 1000,
             tenant=ctx.tenant.split("/", 1)[0],
         )

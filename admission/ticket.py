@@ -16,6 +16,7 @@ class Ticket:
     max_tokens: int
     deadline: float | None = None  # time.monotonic() by which the last token must arrive
     ttft_deadline: float | None = None  # ... and the first one
+    tpot_ms: float | None = None  # the most time between its tokens (its tier's per-token target)
     arrived: float = field(default_factory=time.monotonic)
     # Set when it starts:
     started_at: float = 0.0

@@ -159,6 +159,11 @@ class TierConfig(_Strict):
 
     priority: int = Field(0, ge=0, le=100, description="0 is served first; EDF (earliest deadline) within a tier")
     ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token target; None: only e2e counts")
+    tpot_ms: float | None = Field(
+        None, gt=0, description="time-per-output-token target: a request starts only while the predicted time "
+        "between tokens, its own and every running request's, stays within it, and waits in the queue meanwhile. "
+        "None: concurrency is bounded by the deadlines and seats alone",
+    )
     e2e_ms: float = Field(15_000, gt=0, description="default deadline (x-request-deadline-ms overrides it)")
     max_input_tokens: int | None = Field(
         None, ge=1, description="longer conversations are trimmed (system prompt + latest turns kept)"
@@ -188,10 +193,11 @@ def _default_tiers() -> dict[str, TierConfig]:
     return {
         # A client that names no tier: served whenever the answer can come within the deadline,
         # queued meanwhile; never refused for a first-token target it did not ask for.
-        "standard": TierConfig(priority=0, e2e_ms=60_000, downgrade=True),
+        "standard": TierConfig(priority=0, e2e_ms=60_000, downgrade=True, tpot_ms=200),
         # Asked for (x-slo-tier, or a tenant's tier): a first token within 1 s, or a 503 soon: it
         # waits for a slot only as long as a fraction of its target.
-        "interactive": TierConfig(priority=0, ttft_ms=1000, e2e_ms=15_000, downgrade=True, max_queue_ms=300),
+        "interactive": TierConfig(priority=0, ttft_ms=1000, e2e_ms=15_000, downgrade=True, max_queue_ms=300,
+                                  tpot_ms=200),
         "batch": TierConfig(priority=1, e2e_ms=120_000),
     }
 

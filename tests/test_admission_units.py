@@ -385,6 +385,38 @@ def test_an_idle_model_on_a_busy_box_takes_what_it_can_start_in_time():
     assert gate.check(hopeless).reason == "deadline_unmeetable"
 
 
+def test_a_per_token_target_queues_a_request_past_the_boxs_knee_and_starts_it_when_one_ends():
+    gate = AdmissionGate(16, 8, 1, ServiceEstimates(40.0, 0.1), safety=1.0)
+    for m in ("m", "small"):  # 40 ms a token alone, 100 at 4 sequences on the box, 160 at 8
+        for c, itl in ((1, 40.0), (4, 100.0), (8, 160.0)):
+            for _ in range(3):
+                _done(gate.estimates[m], c, itl)
+    paced = lambda model="m": Ticket(model, "t", 0, 10, 20, deadline=time.monotonic() + 60, tpot_ms=110)
+
+    async def main():
+        running = [paced() for _ in range(4)]
+        for t in running:
+            await gate.acquire(t)
+        assert gate.inflight == 4  # at 4 on the box each stream still gets a token per 100 ms
+        fifth = asyncio.ensure_future(gate.acquire(paced()))
+        await asyncio.sleep(0.01)
+        assert not fifth.done() and gate.queued == 1  # a fifth would slow all five past 110 ms (115)
+        # An idle model on the busy box is no way round it: the models share the cores.
+        assert gate.check(paced("small")) is None and not gate.in_time(paced("small"))
+        # A request without a target may not push the running ones past theirs either.
+        assert not gate.in_time(Ticket("m", "t", 0, 10, 20, deadline=time.monotonic() + 60))
+        gate.release(running[0])
+        await asyncio.wait_for(fifth, 1)
+        assert gate.inflight == 4
+
+    asyncio.run(main())
+    # Without per-token targets the same box takes the fifth (deadlines and seats allow it).
+    free = AdmissionGate(16, 8, 1, gate.estimates, safety=1.0)
+    for _ in range(4):
+        free.running.add(Ticket("m", "t", 0, 10, 20, deadline=time.monotonic() + 60))
+    assert free.in_time(Ticket("m", "t", 0, 10, 20, deadline=time.monotonic() + 60))
+
+
 def test_a_request_larger_than_the_token_burst_goes_through_on_a_full_bucket_and_leaves_a_debt():
     now = [0.0]
     config = AdmissionConfig(tenants={"default": TenantLimits(tokens_per_s=10, token_burst=100)})
