@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.peer_systems import SYSTEMS, SystemUnavailable, safetensors_dir, wait_idle
-from bench.peers import GUIDELLM, REPORTS, _dist, _guidellm, _warm, spread
+from bench.peers import GUIDELLM, _dist, _guidellm, _warm, reports_beside, spread
 
 PAIRS = (("ours-f32", "llama-server"), ("ours-q4", "llama-server-q4"), ("ours-bare", "llama-server"))
 STREAMS = (1, 4, 8)
@@ -60,13 +60,13 @@ def _levels(report: dict) -> dict[int, dict]:
     return out
 
 
-def _measure(name: str, workdir: Path, seconds: float, rep: int) -> dict:
+def _measure(name: str, workdir: Path, seconds: float, rep: int, reports: Path) -> dict:
     system = SYSTEMS[name](workdir)
     idle_before = wait_idle()
     base = system.start()
     try:
         _warm(base, system.model)
-        report = _guidellm(_scenario(base, system.model, seconds), REPORTS / f"floor__{name}__{rep}.json",
+        report = _guidellm(_scenario(base, system.model, seconds), reports / f"floor__{name}__{rep}.json",
                            seconds * len(STREAMS) * 3 + 300)
     finally:
         system.stop()
@@ -114,7 +114,8 @@ def run(quick: bool = False, repetitions: int | None = None, out: str | None = N
         raise SystemExit("guidellm is not installed: run `bash scripts/peers.sh guidellm llamaserver`")
     reps = repetitions or (1 if quick else 3)
     seconds = 15.0 if quick else 20.0
-    REPORTS.mkdir(parents=True, exist_ok=True)
+    reports = reports_beside(out)
+    reports.mkdir(parents=True, exist_ok=True)
     names = list(dict.fromkeys(n for pair in PAIRS for n in pair))
     runs: dict[str, list[dict]] = {n: [] for n in names}
     unavailable: dict[str, str] = {}
@@ -124,7 +125,7 @@ def run(quick: bool = False, repetitions: int | None = None, out: str | None = N
                 if name in unavailable:
                     continue
                 try:
-                    runs[name].append(_measure(name, Path(tmp), seconds, rep))
+                    runs[name].append(_measure(name, Path(tmp), seconds, rep, reports))
                 except SystemUnavailable as exc:
                     unavailable[name] = str(exc)[:500]
                 print(f"floor: {name} run {rep + 1}/{reps} done", flush=True)

@@ -45,6 +45,20 @@ from bench.peer_workloads import write as write_workload
 GUIDELLM = PEERS / "guidellm" / "bin" / "guidellm"
 RESULTS = Path(__file__).resolve().parent / "results"
 REPORTS = RESULTS / "peers"
+
+
+def reports_beside(out: str | None) -> Path:
+    """Where a run keeps the load tool's reports: beside its result file, so that a run written
+    elsewhere leaves the reference's reports as they are."""
+    return Path(out).resolve().parent / "peers" if out else REPORTS
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the repository where it lies inside it."""
+    try:
+        return str(path.relative_to(RESULTS.parent.parent))
+    except ValueError:
+        return str(path)
 SLO = {"ttft_ms": 1000.0, "tpot_ms": 200.0}
 GRID = (1.0, 3.0)  # requests/s: one grid for every system and workload
 BURST_HEADERS = {"x-slo-tier": "interactive"}  # a TTFT objective, said the way this service takes it
@@ -176,10 +190,10 @@ def trace(workload: str, slot: int, rate: float, rep: int, seconds: float, folde
     return path, data.count(b"\n"), hashlib.sha256(data).hexdigest()[:16]
 
 
-def _capacity(system: PeerSystem, base: str, folder: Path) -> dict:
+def _capacity(system: PeerSystem, base: str, folder: Path, reports: Path) -> dict:
     """Requests/s `system` sustains on chat rows with `PROBE_STREAMS` streams at once."""
     data = write_workload("chat", folder, seed=999_999, name="capacity")
-    report = REPORTS / f"{system.name}__capacity.json"
+    report = reports / f"{system.name}__capacity.json"
     scenario = _scenario(base, system.model, data, OUTPUT_TOKENS["chat"],
                          {"kind": "throughput", "max_concurrency": PROBE_STREAMS}, PROBE_S, None)
     point = summarize(_guidellm(scenario, report, PROBE_S * 3 + 300))
@@ -189,18 +203,18 @@ def _capacity(system: PeerSystem, base: str, folder: Path) -> dict:
 
 
 def _workload(system: PeerSystem, workload: str, grid: tuple[float, ...], rep: int, seconds: float, folder: Path,
-              probe: bool, progress) -> dict:
+              probe: bool, progress, reports: Path) -> dict:
     """One start of `system`: (the capacity probe,) then `workload` at every rate of the grid."""
     out: dict = {"idle_cores_before": wait_idle(), "points": {}}
     base = system.start()
     try:
         _warm(base, system.model)
         if probe:
-            out["capacity"] = _capacity(system, base, folder)
+            out["capacity"] = _capacity(system, base, folder, reports)
             progress(f"{system.name}: capacity {out['capacity']['requests_per_s']} rps")
         for slot, rate in enumerate(sorted(grid)):
             data, created, digest = trace(workload, slot, rate, rep, seconds, folder)
-            report = REPORTS / f"{system.name}__{workload}__{rate}rps__{rep}.json"
+            report = reports / f"{system.name}__{workload}__{rate}rps__{rep}.json"
             scenario = _scenario(base, system.model, data, OUTPUT_TOKENS[workload],
                                  {"kind": "replay", "schedule_turn": "timestamp"}, seconds + DRAIN_S,
                                  BURST_HEADERS if workload == "burst" else None)
@@ -279,7 +293,7 @@ def comparisons(table: dict, systems: dict[str, str]) -> dict:
     return out
 
 
-def _plots(table: dict, grid: tuple[float, ...]) -> list[str]:
+def _plots(table: dict, grid: tuple[float, ...], folder: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -304,10 +318,10 @@ def _plots(table: dict, grid: tuple[float, ...]) -> list[str]:
         ax_t.set(title=f"{workload}: TTFT p50", xlabel="offered requests/s", ylabel="ms", yscale="log")
         ax_g.legend(fontsize=7)
         fig.tight_layout()
-        path = RESULTS / f"peers_{workload}.png"
+        path = folder / f"peers_{workload}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
-        files.append(str(path.relative_to(RESULTS.parent.parent)))
+        files.append(shown(path))
     return files
 
 
@@ -322,7 +336,8 @@ def run(quick: bool = False, systems: str | None = None, rates: str | None = Non
     grid = tuple(sorted(float(r) for r in rates.split(","))) if rates else GRID
     reps = repetitions or (1 if quick else 3)
     seconds = 12.0 if quick else SECONDS
-    REPORTS.mkdir(parents=True, exist_ok=True)
+    reports = reports_beside(out)
+    reports.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, list[dict]]] = {n: {} for n in names}
     capacity: dict[str, dict] = {}
     unavailable: dict[str, str] = {}
@@ -358,7 +373,7 @@ def run(quick: bool = False, systems: str | None = None, rates: str | None = Non
                         continue
                     system = SYSTEMS[name](folder)
                     try:
-                        start = _workload(system, workload, grid, rep, seconds, folder, name not in capacity, print)
+                        start = _workload(system, workload, grid, rep, seconds, folder, name not in capacity, print, reports)
                     except SystemUnavailable as exc:  # it did not come up: no further points for it
                         unavailable[name] = str(exc)[-1500:]
                         print(f"{name}: {unavailable[name]}", flush=True)
@@ -373,5 +388,5 @@ def run(quick: bool = False, systems: str | None = None, rates: str | None = Non
                     if out:  # a run cut short still leaves what it measured
                         Path(out).write_text(json.dumps(result(), indent=1, default=str))
     final = result()
-    final["plots"] = _plots(final["table"], grid)
+    final["plots"] = _plots(final["table"], grid, reports.parent)
     return final

@@ -192,3 +192,11 @@ def test_each_system_is_compared_within_its_precision_row_and_the_shipped_one_wi
     assert got["ours-q4"] == {"llama-server-q4": {"chat": {"1.0": 0.889}}}
     assert set(got["ours"]) == {"llama-server", "llama-server-q4", "vllm"}, "the shipped row meets every peer"
     assert spread([3, 1, 2, None]) == {"median": 2, "min": 1, "max": 3}
+
+
+def test_a_run_written_elsewhere_keeps_its_reports_beside_it_not_over_the_reference(tmp_path):
+    from bench.peers import REPORTS, reports_beside, shown
+
+    assert reports_beside(str(tmp_path / "peers.json")) == tmp_path / "peers"
+    assert reports_beside("bench/results/peers.json") == REPORTS
+    assert shown(REPORTS / "x.json") == "bench/results/peers/x.json" and shown(tmp_path) == str(tmp_path)
