@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="peers suite: the grid of offered requests/s, comma-separated (default: bench/peers.py GRID)")
     parser.add_argument("--repetitions", type=int, default=None,
                         help="floor and peers suites: how many times to run the whole set (default 3)")
+    parser.add_argument("--update", default=None,
+                        help="peers suite: an earlier result of it; the --systems named are measured again on the "
+                        "same traces and replace theirs, every other system's runs are kept")
     args = parser.parse_args(argv)
 
     os.environ.update(OFFLINE_ENV)
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if "dtype" not in inspect.signature(suite.run).parameters:
             parser.error(f"--dtype does not apply to the {args.suite} suite")
         kwargs["dtype"] = args.dtype
-    for option in ("systems", "rates", "repetitions"):
+    for option in ("systems", "rates", "repetitions", "update"):
         value = getattr(args, option)
         if value is None:
             continue

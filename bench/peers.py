@@ -325,8 +325,28 @@ def _plots(table: dict, grid: tuple[float, ...], folder: Path) -> list[str]:
     return files
 
 
+def _kept(update: str, remeasured: list[str], config: dict) -> dict:
+    """What `run(update=...)` keeps of an earlier result: its other systems' runs, capacity and
+    dates. It must have been run with the same grid, window and repetitions."""
+    prev = json.loads(Path(update).read_text())
+    for key in ("grid_rps", "seconds_per_point", "drain_s", "repetitions", "slo"):
+        if prev["config"][key] != config[key]:
+            raise SystemExit(f"{update} was run with {key}={prev['config'][key]}, this run {config[key]}")
+    others = [n for n in prev["systems"] if n not in remeasured]
+    return {
+        "names": others,
+        "runs": {n: prev["runs"][n] for n in others if n in prev["runs"]},
+        "capacity": {n: prev["systems"][n]["capacity"] for n in others if prev["systems"][n].get("capacity")},
+        "unavailable": {n: why for n, why in prev.get("unavailable", {}).items() if n in others},
+        "failures": [f for f in prev.get("failures", []) if f["system"] in others],
+        "measured_at": {n: prev["config"].get("measured_at", {}).get(n) for n in others},
+    }
+
+
 def run(quick: bool = False, systems: str | None = None, rates: str | None = None, repetitions: int | None = None,
-        out: str | None = None, **_: object) -> dict:
+        out: str | None = None, update: str | None = None, **_: object) -> dict:
+    """With `update` (a result of this suite): the systems named are measured again on the same
+    traces and replace theirs there; every other system's runs are kept as they were."""
     if not GUIDELLM.exists():
         raise SystemExit("guidellm is not installed: run `bash scripts/peers.sh`")
     names = systems.split(",") if systems else list(DEFAULT_SYSTEMS)
@@ -345,6 +365,15 @@ def run(quick: bool = False, systems: str | None = None, rates: str | None = Non
     config = {"slo": SLO, "grid_rps": list(grid), "workloads": list(WORKLOADS), "seconds_per_point": seconds,
               "drain_s": DRAIN_S, "repetitions": reps, "probe": {"streams": PROBE_STREAMS, "seconds": PROBE_S},
               "load_tool": "guidellm 0.8.1, replay of seeded arrivals, streaming /v1/chat/completions, temperature 0"}
+    measured = list(names)  # the systems this run starts
+    kept = _kept(update, measured, config) if update else None
+    if kept is not None:
+        names = kept["names"] + measured
+        runs.update(kept["runs"])
+        capacity.update(kept["capacity"])
+        unavailable.update(kept["unavailable"])
+        failures += kept["failures"]
+    config["measured_at"] = {**(kept["measured_at"] if kept else {}), **{n: time.strftime("%Y-%m-%d") for n in measured}}
 
     def result() -> dict:
         table = aggregate(runs)
@@ -371,6 +400,8 @@ def run(quick: bool = False, systems: str | None = None, rates: str | None = Non
                 for name in order:
                     if name in unavailable:
                         continue
+                    if name not in measured:
+                        continue  # kept from the result being updated
                     system = SYSTEMS[name](folder)
                     try:
                         start = _workload(system, workload, grid, rep, seconds, folder, name not in capacity, print, reports)

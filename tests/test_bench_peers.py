@@ -200,3 +200,22 @@ def test_a_run_written_elsewhere_keeps_its_reports_beside_it_not_over_the_refere
     assert reports_beside(str(tmp_path / "peers.json")) == tmp_path / "peers"
     assert reports_beside("bench/results/peers.json") == REPORTS
     assert shown(REPORTS / "x.json") == "bench/results/peers/x.json" and shown(tmp_path) == str(tmp_path)
+
+
+def test_an_update_keeps_the_other_systems_and_refuses_a_different_grid(tmp_path):
+    from bench.peers import _kept
+
+    config = {"grid_rps": [1.0, 3.0], "seconds_per_point": 20.0, "drain_s": 20.0, "repetitions": 3,
+              "slo": {"ttft_ms": 1000.0, "tpot_ms": 200.0}}
+    prev = {"config": {**config, "measured_at": {"llama-server": "2026-11-27"}},
+            "systems": {"ours": {"capacity": {"requests_per_s": 0.8}}, "llama-server": {"capacity": {"requests_per_s": 1.2}}},
+            "runs": {"ours": {"chat": []}, "llama-server": {"chat": [{"rep": 0}]}},
+            "unavailable": {}, "failures": [{"system": "ours", "workload": "chat", "rep": 0, "error": "x"}]}
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps(prev))
+    kept = _kept(str(path), ["ours"], config)
+    assert kept["names"] == ["llama-server"] and list(kept["runs"]) == ["llama-server"]
+    assert kept["capacity"] == {"llama-server": {"requests_per_s": 1.2}} and kept["failures"] == []
+    assert kept["measured_at"] == {"llama-server": "2026-11-27"}
+    with pytest.raises(SystemExit):
+        _kept(str(path), ["ours"], {**config, "grid_rps": [1.0, 2.0]})
