@@ -81,6 +81,9 @@ class AdmissionGate:
         # no fixed limit (a batching engine). Past it, a new request waits in the engine's queue
         # for a whole answer to finish, which a TTFT prediction from prefill costs never sees.
         self.seats: dict[str, int] = {}
+        # The models share the box's cores (host tuning on): one model's prompt waits for every
+        # model's prefills, not only its own's (a long pass runs alone: host_tuning/cores.py).
+        self.shared_cores = False
         self._queue: list[tuple[int, float, int, Ticket, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self.admitted = 0
@@ -179,17 +182,17 @@ class AdmissionGate:
         return t.ttft_deadline is None or now + needed_ms / 1000 <= t.ttft_deadline
 
     def _prefills_ahead_ms(self, now: float, model_id: str) -> float:
-        """How long until the prompts admitted to `model_id` but not yet through prefill are
-        done: its engine runs them before a new one. Each one's predicted first token already
-        counts the prefills that were ahead of it, so the latest of them is the wait (a sum
-        counted every earlier prefill again for each later one, predicting first tokens many
-        times later than they came). One past its predicted first token is still in the engine:
+        """How long until the prompts admitted to `model_id` (to any model, where the models
+        share the cores) but not yet through prefill are done: they run before a new one. Each
+        one's predicted first token already counts the prefills that were ahead of it, so the
+        latest of them is the wait (a sum counted every earlier prefill again for each later
+        one, predicting first tokens many times later than they came). One past its predicted first token is still in the engine:
         expect it to run as late again as it already is (at most its own predicted time again),
         not to end now. Counted as ending now, a long RAG prefill running late lets newcomers in
         that then wait behind it in the engine queue and miss their TTFT."""
         ahead = 0.0
         for r in self.running:
-            if r.prefilled or r.model_id != model_id:
+            if r.prefilled or (r.model_id != model_id and not self.shared_cores):
                 continue
             if r.first_at >= now:
                 ahead = max(ahead, r.first_at - now)

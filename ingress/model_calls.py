@@ -115,10 +115,14 @@ class ModelCalls:
             raise ReplicaFailed(exc) from None
 
     def first(self, call: Call, chunk: GenerateChunk) -> None:
-        """The first chunk arrived: the replica's queue and prefill, as it observed them."""
+        """The first chunk arrived: the replica's queue and prefill, as it observed them. A
+        prefill that waited for another engine's passes on the shared cores waited in a queue:
+        its prefill is the compute alone, which is what admission learns a prompt token's cost from."""
         call.first_at = time.perf_counter()
-        call.engine_queue_ms = chunk.timings_ms.get("engine_queue", 0.0)
-        call.prefill_ms = chunk.timings_ms.get("prefill")
+        waited = chunk.timings_ms.get("prefill.cores_wait", 0.0)
+        call.engine_queue_ms = chunk.timings_ms.get("engine_queue", 0.0) + waited
+        prefill = chunk.timings_ms.get("prefill")
+        call.prefill_ms = None if prefill is None else max(0.0, prefill - waited)
 
     async def collect(self, first: GenerateChunk, call: Call, p: Prepared) -> tuple[str, GenerateChunk]:
         """The rest of a non-streamed answer: its text and its last chunk."""

@@ -90,6 +90,7 @@ class Placement:
         self.load = LoadTracker(args.router.load_aware, self.large, self.small)
         # Where an auto request runs, once the router has judged it.
         self.choice = ModelChoice(self.gate, self.large, self.small, args.host_tuning.small_from)
+        self.gate.shared_cores = args.host_tuning.enabled
         self.route_counts: dict[str, int] = {}  # "model/reason" -> requests
 
     def _auto(self, p: Prepared) -> bool:

@@ -411,6 +411,8 @@ class ModelService:
         window = self.window.open(gen.engine, gen.request.lookup_overlap, enqueued) if self.window else None
         with self._prefilling_lock:
             self._prefilling = gen
+        cores = getattr(gen.engine, "cores", None)
+        waited_before = cores.waited_ms if cores is not None else 0.0
         try:
             with self.worker_clock.job("prefills"):
                 chunk = gen.prefill()
@@ -426,6 +428,8 @@ class ModelService:
         if window is not None:
             self.window.report(window, chunk.timings_ms)
         chunk.timings_ms["engine_queue"] = queue_ms
+        if cores is not None and cores.waited_ms > waited_before:  # inside "prefill": other engines' passes ran
+            chunk.timings_ms["prefill.cores_wait"] = cores.waited_ms - waited_before
         for kind, ms in ahead_ms.items():  # the worker's time on others' work while this one waited
             chunk.timings_ms[f"engine_queue.{kind}"] = ms
         chunk.timings_ms.update(jobs.timings())  # how many jobs that was, and the longest: one slow pass, or many

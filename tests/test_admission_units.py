@@ -332,7 +332,8 @@ def test_prompts_still_in_prefill_count_against_a_new_requests_ttft():
 def test_prefills_ahead_count_once_each_on_their_own_model():
     """Eight prompts queued in one engine are eight prefills ahead of a newcomer, not the sum of
     their predicted first tokens (each of which already counts the ones before it); prompts
-    waiting in another model's engine are not ahead of it at all."""
+    waiting in another model's engine are not ahead of it at all, unless the models share the
+    cores."""
     async def main():
         gate = AdmissionGate(16, 8, 1, ServiceEstimates(10.0, 1.0), safety=1.0)  # 1 ms/prompt token
         for _ in range(8):
@@ -342,6 +343,9 @@ def test_prefills_ahead_count_once_each_on_their_own_model():
         assert gate._prefills_ahead_ms(now, "m") == pytest.approx(max(waits) * 1000)
         assert max(waits) < sum(waits) / 3
         assert gate._prefills_ahead_ms(now, "other") == 0.0
+        gate.shared_cores = True  # where the models share the cores, a prompt waits for every model's
+        assert gate._prefills_ahead_ms(now, "other") == pytest.approx(max(waits) * 1000)
+        gate.shared_cores = False
         fresh = Ticket("m", "t", 0, 100, 10, deadline=now + 60)
         predicted = gate.predict(fresh, [], now)
         assert predicted.ttft_ms < max(waits) * 1000 + 1000 < sum(waits) * 1000, predicted
