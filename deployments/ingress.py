@@ -270,14 +270,13 @@ class Ingress:
             on_invalidated=self.pipeline.cache.forget_tenants,
         )
         self._sync_task = asyncio.create_task(self._admission.run_forever())
-        self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats], finding))
         self._direct = None
         if config.ingress.direct_port is not None:
             self._direct = DirectListener(
                 build_api(self.pipeline, self._stalled_readers), config.ingress.direct_host, config.ingress.direct_port,
                 send_timeout_s=config.ingress.send_timeout_s, drain_s=config.ingress.drain_s,
-            )
-            self._direct.start()
+            )  # bound now (a taken port fails the start), listening once ready: see `_warm`
+        self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats], finding))
 
     async def __del__(self) -> None:
         """Serve awaits this at a graceful shutdown (an ingress's `__del__` may be async): the
@@ -343,6 +342,11 @@ class Ingress:
             await self._find_channels(finding)
             self._channel_task = asyncio.create_task(self._find_channels_forever(finding))
         self.readiness.set()
+        # The replicas share the direct port and the kernel hands each new connection to one of
+        # those listening: a replica still warming would hold its share of first requests for
+        # seconds while another stood ready. It joins the port once it answers at once.
+        if self._direct is not None:
+            self._direct.start()
 
     def _stalled_readers(self) -> int:
         return self._direct.app.stalled if getattr(self, "_direct", None) is not None else 0
