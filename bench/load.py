@@ -249,6 +249,8 @@ def _point(sent: list[Outcome], duration_s: float, warm_in_s: float, load_factor
         "sent": len(sent),
         "measured": len(outcomes),
         "goodput_rps": round(good / window_s, 3),
+        # The same, counting an interactive request only if its first token also came within 1 s.
+        "goodput_in_slo_rps": round(sum(o.in_slo for o in outcomes) / window_s, 3),
         "goodput_rps_whole_point": round(sum(o.good for o in sent) / duration_s, 3),  # warm-in included
         "slo_attainment": round(sum(o.in_slo for o in admitted) / len(admitted), 3) if admitted else None,
         "ttft_p50_ms": _p(interactive_ttft, 0.5),

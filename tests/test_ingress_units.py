@@ -175,3 +175,18 @@ def test_a_model_call_refused_at_a_full_serve_queue_is_a_503_with_retry_after_no
     assert err.value.headers["Retry-After"] == "1" and err.value.extra["model"] == p.model
     assert Refused.cancelled == 1
     ServeModelStream(Refused(), p.model).cancel()  # a cleanup path: never raises
+
+
+def test_a_prefill_that_waited_for_another_engines_pass_counts_the_wait_as_queueing():
+    """Admission learns a prompt token's cost from the prefill's compute alone: the time it
+    waited for another engine's pass on the shared cores is queueing."""
+    from engines.types import GenerateChunk
+    from ingress.model_calls import Call, ModelCalls
+
+    call = Call("m", None, None)
+    ModelCalls.first(None, call, GenerateChunk("a", 1, timings_ms={"engine_queue": 5.0, "prefill": 100.0,
+                                                                    "prefill.cores_wait": 40.0}))
+    assert call.prefill_ms == 60.0 and call.engine_queue_ms == 45.0
+    alone = Call("m", None, None)
+    ModelCalls.first(None, alone, GenerateChunk("a", 1, timings_ms={"engine_queue": 5.0, "prefill": 100.0}))
+    assert alone.prefill_ms == 100.0 and alone.engine_queue_ms == 5.0
