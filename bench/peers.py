@@ -325,6 +325,10 @@ def _plots(table: dict, grid: tuple[float, ...], folder: Path) -> list[str]:
     return files
 
 
+def _day(unix: float | None) -> str | None:
+    return None if unix is None else time.strftime("%Y-%m-%d", time.gmtime(unix))
+
+
 def _kept(update: str, remeasured: list[str], config: dict) -> dict:
     """What `run(update=...)` keeps of an earlier result: its other systems' runs, capacity and
     dates. It must have been run with the same grid, window and repetitions."""
@@ -339,7 +343,8 @@ def _kept(update: str, remeasured: list[str], config: dict) -> dict:
         "capacity": {n: prev["systems"][n]["capacity"] for n in others if prev["systems"][n].get("capacity")},
         "unavailable": {n: why for n, why in prev.get("unavailable", {}).items() if n in others},
         "failures": [f for f in prev.get("failures", []) if f["system"] in others],
-        "measured_at": {n: prev["config"].get("measured_at", {}).get(n) for n in others},
+        "measured_at": {n: prev["config"].get("measured_at", {}).get(n) or _day(prev.get("started_unix"))
+                        for n in others},
     }
 
 

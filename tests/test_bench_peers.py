@@ -217,5 +217,9 @@ def test_an_update_keeps_the_other_systems_and_refuses_a_different_grid(tmp_path
     assert kept["names"] == ["llama-server"] and list(kept["runs"]) == ["llama-server"]
     assert kept["capacity"] == {"llama-server": {"requests_per_s": 1.2}} and kept["failures"] == []
     assert kept["measured_at"] == {"llama-server": "2026-11-27"}
+    prev["config"].pop("measured_at")
+    prev["started_unix"] = 1795816865
+    path.write_text(json.dumps(prev))
+    assert _kept(str(path), ["ours"], config)["measured_at"] == {"llama-server": "2026-11-27"}
     with pytest.raises(SystemExit):
         _kept(str(path), ["ours"], {**config, "grid_rps": [1.0, 2.0]})
