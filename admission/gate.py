@@ -186,10 +186,11 @@ class AdmissionGate:
         share the cores) but not yet through prefill are done: they run before a new one. Each
         one's predicted first token already counts the prefills that were ahead of it, so the
         latest of them is the wait (a sum counted every earlier prefill again for each later
-        one, predicting first tokens many times later than they came). One past its predicted first token is still in the engine:
-        expect it to run as late again as it already is (at most its own predicted time again),
-        not to end now. Counted as ending now, a long RAG prefill running late lets newcomers in
-        that then wait behind it in the engine queue and miss their TTFT."""
+        one, predicting first tokens many times later than they came). One past its predicted
+        first token is still in the engine: expect it to run as late again as it already is (at
+        most its own predicted time again), not to end now. Counted as ending now, a long RAG
+        prefill running late lets newcomers in that then wait behind it in the engine queue and
+        miss their TTFT."""
         ahead = 0.0
         for r in self.running:
             if r.prefilled or (r.model_id != model_id and not self.shared_cores):
@@ -249,8 +250,8 @@ class AdmissionGate:
         a busy box takes a request whose first token it can deliver in time, even if the whole
         answer is predicted late (output length is a guess), but not one that would hold the
         shared cores past its TTFT target while others wait, or slow the box's streams past
-        their per-token targets. Either way, a request whose first
-        token could not even arrive before its end-to-end deadline is shed: it is hopeless."""
+        their per-token targets. Either way, a request whose first token could not even arrive
+        before its end-to-end deadline is shed: it is hopeless."""
         idle_box = self.concurrency() == 0
         if not idle_box and not self._idle(t.model_id):
             return False
