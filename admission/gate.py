@@ -16,21 +16,11 @@ who is queued ahead, the fleet's load from the controller) and online service-ti
     shed           predicted to miss its deadline wherever it waits, or the queue is full:
                    503 at once, with the prediction and a Retry-After.
 
-A tier may bound the wait itself (`max_queue_ms`): its requests queue only when a slot is
-predicted within that bound, and leave the queue when it passes. Output length is a guess, so
-"the running request ahead will finish soon" often isn't true; a TTFT-tier request dropped
-after a wait as long as its TTFT budget got a slow 503, so a TTFT tier's bound is a fraction of
-its target: a short wait, not a refusal, when a slot is about to free up.
-
-An idle model takes a request it can start in time (`_idle_takes`): nothing is gained otherwise.
-Tenants share fairly (admission/fair_share.py): while more than one is active, each holds at
-most its share of the slots, seats and queue, and within a priority the queue is served by a
-virtual token counter, earliest deadline first among a tenant's own requests. A request's
-predicted wait counts only what that order puts ahead of it.
-
-Every first token calibrates the next predictions of its model (admission/ttft_calibration.py):
-a mean bias scales them, and a first token must also arrive in time when it comes as late as
-the recent tail did (`ttft_tail_ms`).
+A tier may bound the wait (`max_queue_ms`). An idle model takes a request it can start in time
+(`_idle_takes`). Tenants share fairly (admission/fair_share.py): each holds at most its share of
+slots, seats and queue, and the queue is served by a virtual token counter, EDF within a
+tenant. Every first token calibrates its model's next predictions (ttft_calibration.py). The
+why of each rule: docs/admission.md.
 
 Concurrency counts every model's running requests: on one box the models share the cores, so
 each model's ITL is learned against the total.
@@ -236,8 +226,13 @@ class AdmissionGate:
         the per-token target of `t` and of every running request that has one? Past the box's
         knee another sequence adds no tokens a second, only time to every stream's tokens: it
         waits for one to end instead."""
+        itl: dict[str, float] = {}  # per model: one lookup, however many requests run on it
         for r in (t, *self.running):
-            if r.tpot_ms is not None and self.estimates[r.model_id].itl_ms(concurrency) * self.safety > r.tpot_ms:
+            if r.tpot_ms is None:
+                continue
+            if r.model_id not in itl:
+                itl[r.model_id] = self.estimates[r.model_id].itl_ms(concurrency) * self.safety
+            if itl[r.model_id] > r.tpot_ms:
                 return False
         return True
 
@@ -501,19 +496,3 @@ class AdmissionGate:
         soonest = min((r.finish_at for r in self.running), default=now)
         retry = max(self.retry_after_s, math.ceil(max(0.0, soonest - now)))
         return Rejection(reason, message, retry, ahead, waited_ms, predicted)
-
-    def snapshot(self) -> dict:
-        return {
-            "inflight": self.inflight,
-            "queued": self.queued,
-            "max_inflight": self.max_inflight,
-            "max_queued": self.max_queued,
-            "running_by_model": self.running_by_model(),
-            "others_inflight": dict(self.others_inflight),
-            "seats": dict(self.seats),
-            "admitted": self.admitted,
-            "rejected": dict(self.rejected),
-            "ttft_bias": {m: round(e.value, 3) for m, e in self.calibration.ttft_bias.items() if e.value is not None},
-            "ttft_tail_ms": round(self.ttft_tail_ms(), 1),
-            "estimates": self.estimates.snapshot(),
-        }

@@ -168,8 +168,20 @@ class AdmissionPolicy:
 
     def snapshot(self) -> dict:
         age = None if self.synced_at is None else round((time.monotonic() - self.synced_at) * 1000, 1)
+        gate = self.gate
         return {
-            **self.gate.snapshot(),
+            "inflight": gate.inflight,
+            "queued": gate.queued,
+            "max_inflight": gate.max_inflight,
+            "max_queued": gate.max_queued,
+            "running_by_model": gate.running_by_model(),
+            "others_inflight": dict(gate.others_inflight),
+            "seats": dict(gate.seats),
+            "admitted": gate.admitted,
+            "rejected": dict(gate.rejected),
+            "ttft_bias": {m: round(e.value, 3) for m, e in gate.calibration.ttft_bias.items() if e.value is not None},
+            "ttft_tail_ms": round(gate.ttft_tail_ms(), 1),
+            "estimates": self.estimates.snapshot(),
             "mode": self.config.mode,
             "rate_limited": self.limiter.limited,
             "view_age_ms": age,
