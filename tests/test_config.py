@@ -66,6 +66,9 @@ def test_yaml_overrides_defaults():
         (("ingress", "limits", "max_messages"), 0),
         (("host_tuning", "model_nice"), 25),
         (("target", "engine", "share_cores"), True),  # host tuning's knobs live under host_tuning
+        (("admission", "tiers", "standard", "tpot_ms"), 0),
+        (("admission", "tiers", "standard", "tpot_ms"), -50),
+        (("admission", "tiers", "standard", "tpot_ms"), "fast"),
     ],
 )
 def test_bad_values_are_rejected(path, value):
