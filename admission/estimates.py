@@ -1,7 +1,7 @@
 """Online service-time statistics per model, updated from real completions.
 
-A request's time in the model is prefill (ms per prompt token) plus one decode step per output
-token. On a batching engine a step's cost depends on how many sequences share it, so the
+A request's time in the model is prefill (a fixed part per pass plus ms per prompt token) plus
+one decode step per output token. On a batching engine a step's cost depends on how many sequences share it, so the
 inter-token latency is kept per concurrency level (1, 2, 4, 8, ... in flight). The ITL observed
 at the client already includes speculative decoding's live acceptance rate: more tokens accepted
 per round is a lower ITL.
@@ -18,6 +18,7 @@ PRIOR_OUTPUT_FRACTION = 0.5  # of max_tokens, until observed
 BATCH_COST = 0.5  # share of a step's cost each extra sequence adds, where not observed
 MAX_AGE_S = 30.0  # a concurrency level not observed for this long starts to fade (see ByConcurrency)
 STALE_HALF_LIFE_S = 90.0  # ... halving its (log) distance from the extrapolation this often
+LIGHT_CONCURRENCY = 2  # prefills started with at most this many in flight price a pass's fixed part
 
 
 def _bucket(concurrency: float) -> int:
@@ -108,10 +109,53 @@ def _interpolate(known: list[tuple[int, float]], concurrency: float) -> float:
 
 
 @dataclass
+class Line:
+    """y = intercept + slope * x by least squares over recent points (each older point's weight
+    decays by `1 - alpha` per new one). The intercept counts only once the points spread
+    enough in x to tell it from the slope, and only where it and the slope are positive:
+    otherwise it is 0, and every cost is in the slope."""
+
+    alpha: float = 0.05
+    min_points: int = 8
+    min_spread: float = 0.25  # the x's standard deviation over their mean
+    w: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    points: int = 0
+
+    def add(self, x: float, y: float) -> None:
+        keep = 1.0 - self.alpha
+        self.w, self.sx, self.sy = keep * self.w + 1, keep * self.sx + x, keep * self.sy + y
+        self.sxx, self.sxy = keep * self.sxx + x * x, keep * self.sxy + x * y
+        self.points += 1
+
+    @property
+    def intercept(self) -> float:
+        if self.points < self.min_points or self.w <= 0:
+            return 0.0
+        mean_x, mean_y = self.sx / self.w, self.sy / self.w
+        var_x = self.sxx / self.w - mean_x * mean_x
+        if mean_x <= 0 or var_x <= (self.min_spread * mean_x) ** 2:
+            return 0.0
+        slope = (self.sxy / self.w - mean_x * mean_y) / var_x
+        if slope <= 0:
+            return 0.0
+        return max(0.0, mean_y - slope * mean_x)
+
+
+@dataclass
 class ModelEstimates:
     prior_itl_ms: float
     prior_prefill_ms_per_token: float
-    # Prefill slows with concurrency as much as decode does on shared cores: both are per level.
+    # A prefill pass costs a fixed part (the pass, sampling, the hop's bookkeeping) and a part per
+    # prompt token. Priced per token alone, a cost learned on short prompts (mostly fixed part)
+    # predicted long ones several times too slow and shed them. The fixed part comes from prefills
+    # that started on a quiet box (at most LIGHT_CONCURRENCY in flight), where nothing else
+    # shares their time; the per-token part is per level, as prefill slows with concurrency as
+    # much as decode does on shared cores.
+    prefill_fixed: Line = field(default_factory=Line)
     prefill_ms_per_token: ByConcurrency = field(default_factory=ByConcurrency)
     overhead_ms: Ewma = field(default_factory=lambda: Ewma(0.2))  # time to first token beyond prefill
     output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
@@ -131,7 +175,11 @@ class ModelEstimates:
                 completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,
                 start_concurrency: float | None = None, chunks: int = 0) -> None:
         if prefill_ms is not None and prompt_tokens > 0:
-            self.prefill_ms_per_token.add(start_concurrency or concurrency, prefill_ms / prompt_tokens)
+            level = start_concurrency or concurrency
+            if level <= LIGHT_CONCURRENCY:
+                self.prefill_fixed.add(prompt_tokens, prefill_ms)
+            fixed = min(self.prefill_fixed.intercept, prefill_ms)
+            self.prefill_ms_per_token.add(level, (prefill_ms - fixed) / prompt_tokens)
             self.overhead_ms.add(max(0.0, ttft_ms - queue_ms - prefill_ms))
         if max_tokens > 0:
             self.output_fraction.add(min(1.0, completion_tokens / max_tokens))
@@ -142,7 +190,7 @@ class ModelEstimates:
 
     def prefill_ms(self, prompt_tokens: int, concurrency: float = 1.0) -> float:
         per_token = self.prefill_ms_per_token.at(concurrency, self.prior_prefill_ms_per_token)
-        return per_token * prompt_tokens + (self.overhead_ms.value or 0.0)
+        return self.prefill_fixed.intercept + per_token * prompt_tokens + (self.overhead_ms.value or 0.0)
 
     def expected_tokens(self, max_tokens: int) -> float:
         # Until a few completions are observed, assume half the budget is used.
@@ -162,6 +210,7 @@ class ModelEstimates:
     def snapshot(self) -> dict:
         return {
             "step_ms_by_concurrency": self.step.snapshot(),
+            "prefill_fixed_ms": _round(self.prefill_fixed.intercept),
             "prefill_ms_per_token_by_concurrency": self.prefill_ms_per_token.snapshot(),
             "overhead_ms": _round(self.overhead_ms.value),
             "output_fraction": _round(self.output_fraction.value),

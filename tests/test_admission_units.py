@@ -40,6 +40,32 @@ def test_estimates_interpolate_measured_levels_and_extrapolate_pessimistically()
     assert est.expected_tokens(100) == pytest.approx(55.0)  # 11 of 20 used: the measured fraction
 
 
+def test_prefill_priced_as_a_fixed_part_plus_per_token_so_long_prompts_are_not_shed():
+    """Prefill costs a fixed part per pass plus a part per token. Priced per token alone, short
+    prompts' cost (mostly the fixed part) predicted a 500-token prompt at 2.7x its real time."""
+    est = ServiceEstimates(50.0, 0.5)["m"]
+    for n in [40, 60, 80, 120, 200, 300, 400, 60, 90, 150] * 4:
+        est.observe(prompt_tokens=n, prefill_ms=80.0 + 1.2 * n, ttft_ms=85.0 + 1.2 * n, queue_ms=0.0,
+                    completion_tokens=10, max_tokens=20, decode_ms=100.0, concurrency=1, start_concurrency=1)
+    assert est.prefill_fixed.intercept == pytest.approx(80.0, rel=0.02)
+    assert est.prefill_ms(500) == pytest.approx(80.0 + 600.0 + 5.0, rel=0.03)
+    assert est.prefill_ms(40) == pytest.approx(80.0 + 48.0 + 5.0, rel=0.03)
+
+
+def test_prefill_fixed_part_needs_spread_prompts_and_a_quiet_box():
+    """One prompt length cannot tell the fixed part from the per-token one, nor can prefills
+    that ran beside many others: the cost stays all per token."""
+    same = ServiceEstimates(50.0, 0.5)["m"]
+    busy = ServiceEstimates(50.0, 0.5)["m"]
+    for n in [40, 60, 80, 120, 200, 300, 400, 60, 90, 150] * 2:
+        same.observe(prompt_tokens=100, prefill_ms=200.0, ttft_ms=200.0, queue_ms=0.0, completion_tokens=10,
+                     max_tokens=20, decode_ms=100.0, concurrency=1, start_concurrency=1)
+        busy.observe(prompt_tokens=n, prefill_ms=80.0 + 1.2 * n, ttft_ms=80.0 + 1.2 * n, queue_ms=0.0,
+                     completion_tokens=10, max_tokens=20, decode_ms=100.0, concurrency=8, start_concurrency=8)
+    assert same.prefill_fixed.intercept == 0.0 and same.prefill_ms(200) == pytest.approx(400.0)
+    assert busy.prefill_fixed.intercept == 0.0
+
+
 def _clocked_estimates(now: list[float]) -> tuple[ServiceEstimates, object]:
     estimates = ServiceEstimates(50.0, 0.1, max_age_s=30.0, half_life_s=90.0)
     est = estimates["m"]
