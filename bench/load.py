@@ -2,8 +2,8 @@
 
 One service (serve_config.yaml, with `admission.allow_mode_header` so each request can pick the
 mode), streamed requests over loopback, a realistic mix: chat, RAG and code prompts (20-400
-tokens), max_tokens 16-128, 80% interactive (deadline 15 s, TTFT SLO 1 s) and 20% batch
-(deadline 30 s). Every request carries `x-request-deadline-ms`.
+tokens), max_tokens 16-128, 80% interactive (deadline 15 s, TTFT SLO 1 s, TPOT 200 ms) and 20%
+batch (deadline 30 s). Every request carries `x-request-deadline-ms`.
 
 1. capacity: closed loop at 2, 4 and 8 clients with admission off; the best goodput is the
    capacity (requests/s finishing within their deadline, inside the window).
@@ -17,9 +17,10 @@ tokens), max_tokens 16-128, 80% interactive (deadline 15 s, TTFT SLO 1 s) and 20
 
 False sheds: both modes replay the same arrival trace (same seed, same prompts, same times), so
 each request shed with admission on has a FIFO twin. A shed whose twin met its deadlines
-(`in_slo`: within the deadline, and an interactive one's first token within 1 s) is counted as
-false, at a load where FIFO met at least `FALSE_SHED_FIFO_FLOOR` of its requests' deadlines; past
-that, FIFO's fate of one request depends on everything before it and the estimate means little.
+(`in_slo`: within the deadline, and an interactive one's first token within 1 s and a token
+every 200 ms after it, the tier's targets) is counted as false, at a load where FIFO met at
+least `FALSE_SHED_FIFO_FLOOR` of its requests' deadlines; past that, FIFO's fate of one request
+depends on everything before it and the estimate means little.
 
 A request is one of: ok (200, streamed to [DONE]), shed (429/503 before any token, the time to
 that answer recorded), error (an explicit error: a JSON error or an SSE error event), abandoned
@@ -47,6 +48,7 @@ from engines.types import ENGINE_QUEUE_COUNTS
 INTERACTIVE_DEADLINE_MS = 15_000
 BATCH_DEADLINE_MS = 30_000
 TTFT_SLO_MS = 1_000
+TPOT_SLO_MS = 200  # the interactive tier's per-token target (tpot_ms), as in `bench peers`
 CLIENT_GRACE_S = 5.0
 MAX_TOKENS = [(16, 0.3), (32, 0.3), (64, 0.3), (128, 0.1)]
 WARM_IN_S = INTERACTIVE_DEADLINE_MS / 1000
@@ -71,15 +73,28 @@ class Outcome:
     shed_predicted: dict | None = None  # a 503's body: the prediction it was shed on
     sent_at_s: float = 0.0  # since the point started
     server_timing: str = ""  # where the server spent the time: to shed, or to the first token
+    tokens: int = 0  # completion tokens (the stream's usage)
 
     @property
     def good(self) -> bool:
         return self.kind == "ok" and self.e2e_ms <= self.deadline_ms
 
     @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first."""
+        if self.ttft_ms is None or self.tokens < 2:
+            return None
+        return (self.e2e_ms - self.ttft_ms) / (self.tokens - 1)
+
+    @property
     def in_slo(self) -> bool:
-        ttft_ok = self.tier != "interactive" or (self.ttft_ms is not None and self.ttft_ms <= TTFT_SLO_MS)
-        return self.good and ttft_ok
+        """Within its deadline and, for an interactive request, its tier's targets: the first
+        token within 1 s and a token every 200 ms after it."""
+        if self.tier != "interactive":
+            return self.good
+        tpot = self.tpot_ms
+        return (self.good and self.ttft_ms is not None and self.ttft_ms <= TTFT_SLO_MS
+                and (tpot is None or tpot <= TPOT_SLO_MS))
 
 
 def _request(rng: random.Random, n: int) -> tuple[dict, dict, str, float, str]:
@@ -102,7 +117,8 @@ def _request(rng: random.Random, n: int) -> tuple[dict, dict, str, float, str]:
         task, src = rng.choice(CODE)
         messages = [{"role": "user", "content": f"{task}{tag}\n\n```python\n{src}```"}]
     max_tokens = rng.choices([m for m, _ in MAX_TOKENS], [w for _, w in MAX_TOKENS])[0]
-    body = {"model": "auto", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"model": "auto", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     batch = rng.random() < 0.2
     tier, deadline = ("batch", BATCH_DEADLINE_MS) if batch else ("interactive", INTERACTIVE_DEADLINE_MS)
     headers = {"Cache-Control": "no-cache, no-store", "x-request-deadline-ms": str(deadline), "x-slo-tier": tier}
@@ -141,6 +157,8 @@ async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, de
                         out.kind = "ok"
                     return
                 event = json.loads(data)
+                if event.get("usage"):
+                    out.tokens = event["usage"].get("completion_tokens") or 0
                 if "error" in event:
                     out.kind, out.code = "error", event["error"].get("code")
                 elif out.ttft_ms is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
@@ -249,13 +267,15 @@ def _point(sent: list[Outcome], duration_s: float, warm_in_s: float, load_factor
         "sent": len(sent),
         "measured": len(outcomes),
         "goodput_rps": round(good / window_s, 3),
-        # The same, counting an interactive request only if its first token also came within 1 s.
+        # The same, counting an interactive request only within its first-token and per-token targets.
         "goodput_in_slo_rps": round(sum(o.in_slo for o in outcomes) / window_s, 3),
         "goodput_rps_whole_point": round(sum(o.good for o in sent) / duration_s, 3),  # warm-in included
         "slo_attainment": round(sum(o.in_slo for o in admitted) / len(admitted), 3) if admitted else None,
         "ttft_p50_ms": _p(interactive_ttft, 0.5),
         "ttft_p95_ms": _p(interactive_ttft, 0.95),
         "ttft_p99_ms": _p(interactive_ttft, 0.99),
+        "tpot_p50_ms": _p([o.tpot_ms for o in completed if o.tpot_ms is not None], 0.5),
+        "tpot_p95_ms": _p([o.tpot_ms for o in completed if o.tpot_ms is not None], 0.95),
         "e2e_p50_ms": _p([o.e2e_ms for o in completed], 0.5),
         "e2e_p95_ms": _p([o.e2e_ms for o in completed], 0.95),
         "e2e_p99_ms": _p([o.e2e_ms for o in completed], 0.99),
@@ -291,6 +311,14 @@ def _false_sheds(on: list[Outcome], off: list[Outcome], warm_in_s: float) -> dic
         "false_sheds": len(false),
         "false_shed_rate": round(len(false) / len(pairs), 4) if pairs else 0.0,
         "false_shed_codes": _count(a.code for a in false),
+        # what each was shed on, beside what its FIFO twin measured: where the estimate erred
+        "false_shed_detail": [
+            {"prompt": a.prompt, "tier": a.tier, "code": a.code, "predicted": a.shed_predicted,
+             "fifo_ttft_ms": None if b.ttft_ms is None else round(b.ttft_ms), "fifo_e2e_ms": round(b.e2e_ms),
+             "fifo_tpot_ms": None if b.tpot_ms is None else round(b.tpot_ms),
+             "sent_at_s": round(a.sent_at_s, 1)}
+            for a, b in pairs if a.kind == "shed" and b.in_slo
+        ],
     }
 
 

@@ -17,3 +17,16 @@ def test_bench_engines_flag_is_checked_before_anything_runs(tmp_path, capsys):
         main(["load", "--out", str(tmp_path / "x.json"), "--engines", "vllm"])
     assert exit_info.value.code == 2 and "does not apply to the load suite" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_load_slo_counts_the_interactive_tiers_per_token_target():
+    """A FIFO twin that met its deadline and first token but streamed slower than the tier's
+    200 ms a token did not meet the SLO admission kept it to: its twin's shed is not false."""
+    from bench.load import Outcome
+
+    slow = Outcome("ok", "interactive", 15_000, ttft_ms=400.0, e2e_ms=400.0 + 31 * 250.0, tokens=32)
+    paced = Outcome("ok", "interactive", 15_000, ttft_ms=400.0, e2e_ms=400.0 + 31 * 150.0, tokens=32)
+    late = Outcome("ok", "interactive", 15_000, ttft_ms=1200.0, e2e_ms=2000.0, tokens=8)
+    batch = Outcome("ok", "batch", 30_000, ttft_ms=400.0, e2e_ms=400.0 + 31 * 250.0, tokens=32)
+    assert slow.tpot_ms == pytest.approx(250.0) and slow.good and not slow.in_slo
+    assert paced.in_slo and batch.in_slo and not late.in_slo
