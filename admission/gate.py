@@ -156,7 +156,7 @@ class AdmissionGate:
         # decode after it is not, so it alone carries `safety`: on both, first tokens would come
         # early at the median; on neither, admitted requests under overload would finish past
         # their deadlines.
-        first = (est.prefill_ms(t.prompt_tokens, concurrency) + step) * self.bias(t.model_id)
+        first = (est.prefill_ms(t.prefill_tokens, concurrency) + step) * self.bias(t.model_id)
         return first, first + est.expected_tokens(t.max_tokens) * itl * self.safety
 
     def bias(self, model_id: str) -> float:

@@ -7,12 +7,13 @@ service-wide shares and the fleet's load in the background (admission/sync.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal, Mapping
 
 from admission.estimates import ServiceEstimates
 from admission.gate import AdmissionGate, Rejection, Ticket
 from admission.limits import OverLimit, TenantLimiter
+from admission.prefix_memory import PrefixMemory
 from configs.schemas import AdmissionConfig, TierConfig
 from admission.errors import AdmissionError
 from admission.request import RequestContext
@@ -32,6 +33,7 @@ class AdmissionPolicy:
             ttft_tail_quantile=config.ttft_tail_quantile, tenant_share=config.tenant_share,
         )
         self.limiter = TenantLimiter(config, own_buckets=own_buckets)
+        self.prefixes = PrefixMemory()
         # model id -> (its deployment, sequences one replica holds): llama.cpp's KV contexts.
         self.seats_per_replica: dict[str, tuple[str, int]] = {}
         self.synced_at: float | None = None  # when the controller's view last arrived
@@ -92,12 +94,15 @@ class AdmissionPolicy:
         except OverLimit as over:
             raise _over_limit(over, ctx) from None
 
-    def ticket(self, model_id: str, ctx: RequestContext, tier: TierConfig, prompt_tokens: int, max_tokens: int) -> Ticket:
+    def ticket(self, model_id: str, ctx: RequestContext, tier: TierConfig, prompt_ids: Sequence[int],
+               max_tokens: int) -> Ticket:
+        keys = self.prefixes.keys(prompt_ids, ctx.cache_salt)
         return Ticket(
-            model_id, ctx.tier, tier.priority, prompt_tokens, max_tokens,
+            model_id, ctx.tier, tier.priority, len(prompt_ids), max_tokens,
             deadline=ctx.target_deadline, ttft_deadline=ctx.ttft_deadline, tpot_ms=tier.tpot_ms, arrived=ctx.received,
             max_wait=None if tier.max_queue_ms is None else tier.max_queue_ms / 1000,
-            tenant=ctx.tenant.split("/", 1)[0],
+            tenant=ctx.tenant.split("/", 1)[0], cached_tokens=self.prefixes.cached_tokens(model_id, keys),
+            prefix_keys=keys,
         )
 
     def shed_early(self, candidates: list[Ticket]) -> list[bool]:
@@ -130,13 +135,15 @@ class AdmissionPolicy:
             await self.gate.acquire(ticket)
         except Rejection as rej:
             raise _shed(ticket, rej) from None
+        self.prefixes.remember(ticket.model_id, ticket.prefix_keys)
 
     def observe(self, ticket: Ticket, *, ttft_ms: float, queue_ms: float, prefill_ms: float | None,
-                completion_tokens: int, total_ms: float, chunks: int = 0) -> None:
-        """A finished request updates the service-time estimates of its model."""
+                completion_tokens: int, total_ms: float, chunks: int = 0, reused_tokens: int = 0) -> None:
+        """A finished request updates the service-time estimates of its model: its prefill is
+        priced by the prompt tokens its engine computed (`reused_tokens` came from its prefix cache)."""
         concurrency = (ticket.concurrency_at_start + self.gate.concurrency()) / 2
         self.estimates[ticket.model_id].observe(
-            prompt_tokens=ticket.prompt_tokens, prefill_ms=prefill_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
+            prompt_tokens=max(1, ticket.prompt_tokens - reused_tokens), prefill_ms=prefill_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
             concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks,
         )

@@ -27,6 +27,13 @@ class Ticket:
     prefilled: bool = False  # its first token arrived: its prefill delays no one any more
     max_wait: float | None = None  # seconds it may wait in the queue (its tier's max_queue_ms)
     tenant: str = ""  # whose share it counts against (the API key's tenant)
+    cached_tokens: int = 0  # leading prompt tokens its model's prefix cache is expected to hold
+    prefix_keys: list[int] = field(default_factory=list)  # its prompt's blocks (admission/prefix_memory.py)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens its prefill is expected to compute."""
+        return max(1, self.prompt_tokens - self.cached_tokens)
 
     @property
     def cost(self) -> int:

@@ -62,6 +62,7 @@ class Call:
     logprobs: list | None = None  # a non-streamed answer's token log-probabilities, when asked
     engine_queue_ms: float = 0.0  # the model replica's queue, from its first chunk
     prefill_ms: float | None = None  # ... and its prefill
+    reused_tokens: int = 0  # ... and the prompt tokens its prefix cache held
     first_at: float = 0.0  # perf_counter() at its first chunk
 
     def cancel(self) -> None:
@@ -123,6 +124,7 @@ class ModelCalls:
         call.engine_queue_ms = chunk.timings_ms.get("engine_queue", 0.0) + waited
         prefill = chunk.timings_ms.get("prefill")
         call.prefill_ms = None if prefill is None else max(0.0, prefill - waited)
+        call.reused_tokens = int(chunk.timings_ms.get("prefix_reused_tokens", 0))
 
     async def collect(self, first: GenerateChunk, call: Call, p: Prepared) -> tuple[str, GenerateChunk]:
         """The rest of a non-streamed answer: its text and its last chunk."""

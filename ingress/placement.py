@@ -106,7 +106,7 @@ class Placement:
         models = [self.large, self.small] if self._auto(p) else [p.requested_model]
         if self._auto(p) and not p.tier.downgrade and fixed_route(self.args.router, p.features, self.large) is not None:
             models = [self.large]  # too big for the small model, and no downgrade: only large counts
-        tickets = [self.admission.ticket(m, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens) for m in models]
+        tickets = [self.admission.ticket(m, p.ctx, p.tier, p.prompt_ids, p.sampling.max_tokens) for m in models]
         return self.only_small(p, self.admission.shed_early(tickets)), tickets
 
     def only_small(self, p: Prepared, feasible: list[bool]) -> RouteDecision | None:
@@ -167,10 +167,10 @@ class Placement:
         decision = self._moved_by_load(p, decision)
         if p.mode == "fifo":
             return Admitted(Permit(None), decision, None, time.perf_counter())
-        ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
+        ticket = self.admission.ticket(decision.model_id, p.ctx, p.tier, p.prompt_ids, p.sampling.max_tokens)
         if self._auto(p) and decision.model_id in (self.large, self.small):
             other = self.small if decision.model_id == self.large else self.large
-            alt = self.admission.ticket(other, p.ctx, p.tier, len(p.prompt_ids), p.sampling.max_tokens)
+            alt = self.admission.ticket(other, p.ctx, p.tier, p.prompt_ids, p.sampling.max_tokens)
             choice = self.choice.choose(ticket, alt, downgrade=p.tier.downgrade)
             ticket = choice.ticket
             if choice.reason is not None:

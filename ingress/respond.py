@@ -186,6 +186,7 @@ class Responder:
             completion_tokens=last.completion_tokens,
             total_ms=(now - admitted.at) * 1000,
             chunks=call.decode_chunks,
+            reused_tokens=call.reused_tokens,
         )
 
 

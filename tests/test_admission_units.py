@@ -796,3 +796,43 @@ def test_ledger_shares_limits_among_live_replicas():
     ledger.report("c", ReplicaReport(3, 0, 3, 0, {"large": 2, "small": 1}))
     share = ledger.report("b", ReplicaReport(1, 0, 3, 0, {"large": 1}))
     assert share.others_inflight == {"large": 2, "small": 1}
+
+
+def test_a_prompt_whose_prefix_its_model_holds_is_priced_by_the_tokens_left_to_compute():
+    """A conversation's next turn, or a shared system prompt, is prefilled only past what the
+    engine's prefix cache holds: admission prices that, per model and per tenant, and learns a
+    token's cost from the tokens the engine computed."""
+    from admission.policy import AdmissionPolicy
+    from admission.request import RequestContext
+    from configs.schemas import AdmissionConfig
+
+    policy = AdmissionPolicy(AdmissionConfig())
+    ctx = RequestContext("r1", "a", "standard", None)
+    tier = policy.config.tiers["standard"]
+    turn1 = list(range(1000, 1400))
+    turn2 = turn1 + list(range(5000, 5040))
+    first = policy.ticket("m", ctx, tier, turn1, 16)
+    assert first.cached_tokens == 0 and first.prefill_tokens == 400
+    policy.prefixes.remember("m", first.prefix_keys)  # what admit does once it starts
+    second = policy.ticket("m", ctx, tier, turn2, 16)
+    assert second.cached_tokens == 400 and second.prefill_tokens == 40
+    assert policy.ticket("other-model", ctx, tier, turn2, 16).cached_tokens == 0
+    assert policy.ticket("m", RequestContext("r2", "b", "standard", None), tier, turn2, 16).cached_tokens == 0  # never another tenant's
+    est = policy.estimates["m"]
+    assert policy.gate._service_ms(second, 1)[0] < policy.gate._service_ms(first, 1)[0] / 5
+    policy.observe(second, ttft_ms=50.0, queue_ms=0.0, prefill_ms=40.0, completion_tokens=2, total_ms=100.0,
+                   reused_tokens=400)
+    assert est.prefill_ms_per_token.at(1, 0.5) == pytest.approx(1.0)  # 40 ms over the 40 tokens computed
+
+
+def test_prefix_memory_forgets_the_least_recent_blocks_past_its_bound():
+    from admission.prefix_memory import PrefixMemory
+
+    memory = PrefixMemory(block_size=4, max_blocks=3)
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]
+    memory.remember("m", memory.keys(a, None))
+    assert memory.cached_tokens("m", memory.keys(a + [0, 0, 0, 0], None)) == 8
+    memory.remember("m", memory.keys(b, None))
+    memory.remember("m", memory.keys(list(b) + [7, 7, 7, 7], None))  # 4 blocks known: a's first goes
+    assert memory.cached_tokens("m", memory.keys(a, None)) == 0
+    assert memory.cached_tokens("m", memory.keys(b + [7, 7, 7, 7], None)) == 8

@@ -224,7 +224,7 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
         p = pipeline.preparer.tokenize(p)
         cache = pipeline.cache.state(p, StageClock())
         cache.done.set()  # the lookup is not under test: a router goes straight to its embedding
-        tickets = [pipeline.admission.ticket(m, ctx, tier, len(p.prompt_ids), max_tokens) for m in (large, small)]
+        tickets = [pipeline.admission.ticket(m, ctx, tier, p.prompt_ids, max_tokens) for m in (large, small)]
         routing = make_routing(p, cache)
         await asyncio.sleep(0)  # a real router starts its embedding
         forced = await pipeline.placement.await_verdict(p, routing, tickets)
@@ -324,7 +324,7 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
         p = pipeline.preparer.prepare("chat", body, ctx, tier, "predictive")
         p = pipeline.preparer.tokenize(p)
         assert len(p.prompt_ids) > 60
-        ticket = pipeline.admission.ticket(large, ctx, tier, len(p.prompt_ids), 16)
+        ticket = pipeline.admission.ticket(large, ctx, tier, p.prompt_ids, 16)
         late = not pipeline.gate.in_time(ticket) and pipeline.gate.would_meet(ticket)
         admitted = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard"))
         permit, decision = admitted.permit, admitted.decision
@@ -337,6 +337,7 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
 
 def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rather_than_a_503(cpu_profile, tokenizer, embedder):
     from admission.gate import Ticket
+    from admission.prefix_memory import PrefixMemory
     from ingress.context import context_from_headers
     from ingress.accounting import Record
     from ingress.pipeline import Pipeline
@@ -372,6 +373,8 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
 
     # The large model would take it, its first token predicted in time but with less than the
     # 1.5x to spare a move needs (~750 ms of a 1 s target): a 503, not an upgrade to a late answer.
+    # (Another prompt: the large model holds the first one's prefix now, and would prefill none of it.)
+    pipeline.admission.prefixes = PrefixMemory()
     ctx = context_from_headers({"x-slo-tier": "interactive"})
     p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "The sea is blue. " * 20}],
                                    "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx), "predictive")
@@ -379,7 +382,7 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     per_token = 750.0 / pipeline.gate.safety / len(p.prompt_ids)
     for level in (1, 2):
         pipeline.admission.estimates[large].prefill_ms_per_token.add(level, per_token)
-    ticket = pipeline.admission.ticket(large, ctx, pipeline.admission.tier(ctx), len(p.prompt_ids), 16)
+    ticket = pipeline.admission.ticket(large, ctx, pipeline.admission.tier(ctx), p.prompt_ids, 16)
     assert pipeline.gate.would_meet(ticket) and not pipeline.gate.in_time(ticket, 1.5)
     with pytest.raises(AdmissionError) as shed:
         asyncio.run(admit("auto"))
@@ -408,11 +411,14 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
             pipeline.admission.estimates[model].itl.add(1, 20.0)
         return pipeline
 
+    from admission.prefix_memory import PrefixMemory
+
     serve_args = cpu_profile.args
     large, small = serve_args.target.engine.model_id, serve_args.draft.engine.model_id
     assert serve_args.host_tuning.small_from == 1  # the default CPU profile has it on, from one running
 
     def admit(pipeline: Pipeline, model: str = "auto", headers: dict | None = None):
+        pipeline.admission.prefixes = PrefixMemory()  # each time a prompt neither model holds yet
         ctx = context_from_headers(headers or {})
         p = pipeline.preparer.prepare("chat", {"model": model, "messages": [{"role": "user", "content": "Why is the sky blue?"}],
                                                "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
