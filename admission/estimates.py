@@ -113,11 +113,13 @@ class Line:
     """y = intercept + slope * x by least squares over recent points (each older point's weight
     decays by `1 - alpha` per new one). The intercept counts only once the points spread
     enough in x to tell it from the slope, and only where it and the slope are positive:
-    otherwise it is 0, and every cost is in the slope."""
+    otherwise it is 0, and every cost is in the slope. It is at most `max_share` of the mean y:
+    a slope lost in noisy points would otherwise price every x alike."""
 
     alpha: float = 0.05
     min_points: int = 8
     min_spread: float = 0.25  # the x's standard deviation over their mean
+    max_share: float = 0.5
     w: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
@@ -142,7 +144,7 @@ class Line:
         slope = (self.sxy / self.w - mean_x * mean_y) / var_x
         if slope <= 0:
             return 0.0
-        return max(0.0, mean_y - slope * mean_x)
+        return min(self.max_share * mean_y, max(0.0, mean_y - slope * mean_x))
 
 
 @dataclass

@@ -54,7 +54,8 @@ def test_prefill_priced_as_a_fixed_part_plus_per_token_so_long_prompts_are_not_s
 
 def test_prefill_fixed_part_needs_spread_prompts_and_a_quiet_box():
     """One prompt length cannot tell the fixed part from the per-token one, nor can prefills
-    that ran beside many others: the cost stays all per token."""
+    that ran beside many others: the cost stays all per token. Nor is the fixed part ever most
+    of a prefill."""
     same = ServiceEstimates(50.0, 0.5)["m"]
     busy = ServiceEstimates(50.0, 0.5)["m"]
     for n in [40, 60, 80, 120, 200, 300, 400, 60, 90, 150] * 2:
@@ -64,6 +65,11 @@ def test_prefill_fixed_part_needs_spread_prompts_and_a_quiet_box():
                      completion_tokens=10, max_tokens=20, decode_ms=100.0, concurrency=8, start_concurrency=8)
     assert same.prefill_fixed.intercept == 0.0 and same.prefill_ms(200) == pytest.approx(400.0)
     assert busy.prefill_fixed.intercept == 0.0
+    flat = ServiceEstimates(50.0, 0.5)["m"]  # prefill time that does not follow the prompt (noise)
+    for n in [40, 60, 80, 120, 200, 300, 400, 60, 90, 150] * 2:
+        flat.observe(prompt_tokens=n, prefill_ms=100.0 + 0.01 * n, ttft_ms=100.0, queue_ms=0.0, completion_tokens=10,
+                     max_tokens=20, decode_ms=100.0, concurrency=1, start_concurrency=1)
+    assert flat.prefill_fixed.intercept == pytest.approx(50.0, rel=0.05)  # at most half a mean prefill: a length still costs
 
 
 def _clocked_estimates(now: list[float]) -> tuple[ServiceEstimates, object]:
