@@ -1,10 +1,10 @@
 """Online service-time statistics per model, updated from real completions.
 
 A request's time in the model is prefill (a fixed part per pass plus ms per prompt token) plus
-one decode step per output token. On a batching engine a step's cost depends on how many sequences share it, so the
-inter-token latency is kept per concurrency level (1, 2, 4, 8, ... in flight). The ITL observed
-at the client already includes speculative decoding's live acceptance rate: more tokens accepted
-per round is a lower ITL.
+one decode step per output token. On a batching engine a step's cost depends on how many
+sequences share it, so the inter-token latency is kept per concurrency level (1, 2, 4, 8, ... in
+flight). The ITL observed at the client already includes speculative decoding's live acceptance
+rate: more tokens accepted per round is a lower ITL.
 """
 
 from __future__ import annotations
