@@ -135,12 +135,17 @@ class Line:
 
     @property
     def intercept(self) -> float:
+        fitted = self.fitted()
+        return 0.0 if fitted is None else fitted
+
+    def fitted(self) -> float | None:
+        """The intercept, or None while too few points, too alike in x, tell it."""
         if self.points < self.min_points or self.w <= 0:
-            return 0.0
+            return None
         mean_x, mean_y = self.sx / self.w, self.sy / self.w
         var_x = self.sxx / self.w - mean_x * mean_x
         if mean_x <= 0 or var_x <= (self.min_spread * mean_x) ** 2:
-            return 0.0
+            return None
         slope = (self.sxy / self.w - mean_x * mean_y) / var_x
         if slope <= 0:
             return 0.0
@@ -158,6 +163,7 @@ class ModelEstimates:
     # shares their time; the per-token part is per level, as prefill slows with concurrency as
     # much as decode does on shared cores.
     prefill_fixed: Line = field(default_factory=Line)
+    prior_prefill_fixed_ms: float = 0.0  # until the line is fitted: the model replica's own measurement
     prefill_ms_per_token: ByConcurrency = field(default_factory=ByConcurrency)
     overhead_ms: Ewma = field(default_factory=lambda: Ewma(0.2))  # time to first token beyond prefill
     output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
@@ -180,7 +186,7 @@ class ModelEstimates:
             level = start_concurrency or concurrency
             if level <= LIGHT_CONCURRENCY:
                 self.prefill_fixed.add(prompt_tokens, prefill_ms)
-            fixed = min(self.prefill_fixed.intercept, prefill_ms)
+            fixed = min(self.prefill_fixed_ms(), prefill_ms)
             self.prefill_ms_per_token.add(level, (prefill_ms - fixed) / prompt_tokens)
             self.overhead_ms.add(max(0.0, ttft_ms - queue_ms - prefill_ms))
         if max_tokens > 0:
@@ -192,7 +198,17 @@ class ModelEstimates:
 
     def prefill_ms(self, prompt_tokens: int, concurrency: float = 1.0) -> float:
         per_token = self.prefill_ms_per_token.at(concurrency, self.prior_prefill_ms_per_token)
-        return self.prefill_fixed.intercept + per_token * prompt_tokens + (self.overhead_ms.value or 0.0)
+        return self.prefill_fixed_ms() + per_token * prompt_tokens + (self.overhead_ms.value or 0.0)
+
+    def prefill_fixed_ms(self) -> float:
+        """A prefill pass's fixed part: fitted, or the prior until it can be."""
+        fitted = self.prefill_fixed.fitted()
+        return self.prior_prefill_fixed_ms if fitted is None else fitted
+
+    def seed_prefill(self, fixed_ms: float, per_token_ms: float) -> None:
+        """Priors measured on the model's own replica (target/calibration.py: prefill_cost), in
+        place of the configured guess until this model's own prefills are measured here."""
+        self.prior_prefill_fixed_ms, self.prior_prefill_ms_per_token = max(0.0, fixed_ms), per_token_ms
 
     def expected_tokens(self, max_tokens: int) -> float:
         # Until a few completions are observed, assume half the budget is used.
@@ -212,7 +228,7 @@ class ModelEstimates:
     def snapshot(self) -> dict:
         return {
             "step_ms_by_concurrency": self.step.snapshot(),
-            "prefill_fixed_ms": _round(self.prefill_fixed.intercept),
+            "prefill_fixed_ms": _round(self.prefill_fixed_ms()),
             "prefill_ms_per_token_by_concurrency": self.prefill_ms_per_token.snapshot(),
             "overhead_ms": _round(self.overhead_ms.value),
             "output_fraction": _round(self.output_fraction.value),

@@ -148,6 +148,12 @@ class AdmissionPolicy:
             concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks,
         )
 
+    def seed_prefill(self, model_id: str, fixed_ms: float, per_token_ms: float) -> None:
+        """The prefill cost the model's replica measured at its start: the prior of its
+        predictions here until its own prefills are observed."""
+        if per_token_ms > 0:
+            self.estimates[model_id].seed_prefill(fixed_ms, per_token_ms)
+
     # ------------------------------------------------------------------ the controller's view
 
     def set_seats(self, seats_per_replica: dict[str, tuple[str, int]], replicas: dict[str, int] | None = None) -> None:

@@ -61,6 +61,9 @@ class TtftCalibration:
         """A first token came `observed_s` after its start, predicted at `predicted_s` unscaled
         (its prediction was scaled by `scale`)."""
         if predicted_s > 0:  # against the unscaled prediction, or the bias would chase itself
-            self.ttft_bias.setdefault(model_id, Ewma(0.2)).add(min(4.0, observed_s * scale / predicted_s))
+            # From 1 (no error known yet), not from the first sample: the first requests after a
+            # start meet a cold box, and one first token 4x late set every later prediction of
+            # that model at 3x, shedding requests at light load until it wore off.
+            self.ttft_bias.setdefault(model_id, Ewma(0.2, value=1.0)).add(min(4.0, observed_s * scale / predicted_s))
             self.ttft_late.append((self._clock(), (observed_s - predicted_s) * 1000))
             self._tail = None

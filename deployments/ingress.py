@@ -276,7 +276,10 @@ class Ingress:
                 build_api(self.pipeline, self._stalled_readers), config.ingress.direct_host, config.ingress.direct_port,
                 send_timeout_s=config.ingress.send_timeout_s, drain_s=config.ingress.drain_s,
             )  # bound now (a taken port fails the start), listening once ready: see `_warm`
-        self._warm_task = asyncio.create_task(self._warm([cache.stats, target.stats, draft.stats], finding))
+        self._warm_task = asyncio.create_task(self._warm(
+            [(cache.stats, None), (target.stats, config.target.engine.model_id), (draft.stats, config.draft.engine.model_id)],
+            finding,
+        ))
 
     async def __del__(self) -> None:
         """Serve awaits this at a graceful shutdown (an ingress's `__del__` may be async): the
@@ -331,13 +334,17 @@ class Ingress:
             await self._find_channels(finding)
 
     async def _warm(self, calls, finding: list[tuple[ChannelPool, DeploymentHandle, str | None]]) -> None:
-        for call in calls:
+        """Until every stage answers: then join the direct port. A model's answer carries the
+        prefill cost its replica measured, admission's prior for it."""
+        for call, model_id in calls:
             while True:
                 try:
-                    await asyncio.wait_for(call.remote(), timeout=30)
+                    stats = await asyncio.wait_for(call.remote(), timeout=30)
                     break
                 except Exception:
                     await asyncio.sleep(0.5)
+            if model_id is not None and isinstance(stats, dict) and "prefill_ms_per_token" in stats:
+                self.pipeline.admission.seed_prefill(model_id, stats["prefill_fixed_ms"], stats["prefill_ms_per_token"])
         if finding:  # the first requests already take the side channels
             await self._find_channels(finding)
             self._channel_task = asyncio.create_task(self._find_channels_forever(finding))

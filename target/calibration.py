@@ -81,6 +81,30 @@ def speculation_costs(model_id: str, engine: Engine, draft_engine: Engine | None
     return costs
 
 
+PREFILL_PROBE_TOKENS = (48, 304)  # two prompt lengths: a line through them prices a prefill
+
+
+def prefill_cost(model_id: str, engine: Engine) -> tuple[float, float]:
+    """(fixed ms per pass, ms per prompt token) of a prefill on this replica, from two prompts
+    no context has seen: what admission prices prompts by until it has measured its own. The
+    configured prior is a guess for any hardware, and the first prompts after a start were
+    admitted against it into first tokens several times later than predicted."""
+    ids = engine.tokenizer.encode(WARMUP_TEXT)
+    ms = []
+    for n in PREFILL_PROBE_TOKENS:
+        prompt = [ids[(i * 7 + n) % len(ids)] for i in range(n)]  # shares no prefix with another probe
+        seq = engine.new_sequence(salt=n)  # a salt of its own: no prefix reused
+        start = time.perf_counter()
+        engine.prefill(seq, prompt)
+        ms.append((time.perf_counter() - start) * 1000)
+        engine.release(seq)
+    (n1, n2), (t1, t2) = PREFILL_PROBE_TOKENS, ms
+    per_token = max(0.01, (t2 - t1) / (n2 - n1))
+    fixed = min(max(0.0, t1 - per_token * n1), t1)
+    log.info("%s prefill: %.1f ms a pass + %.2f ms a prompt token", model_id, fixed, per_token)
+    return fixed, per_token
+
+
 def plain_step_ms(model_id: str, engine: Engine, max_batch: int) -> dict[int, float]:
     """ms of a plain decode step of n sequences (n = 1, 2, 4, 8; fastest of 3): the prior that
     the step-mode chooser weighs against speculating in turns."""

@@ -134,8 +134,10 @@ class ModelService:
         self.step_mode: StepModeChooser | None = None  # batch the waiting steps, or a round each in turn
         # On the worker thread, like every later forward pass (target/calibration.py).
         model_id, on_worker = config.engine.model_id, self.executor.submit
+        self.prefill_cost: tuple[float, float] | None = None  # (fixed ms, ms per token), measured here
         if config.engine.warmup:
             on_worker(calibration.warm_up, model_id, self.engine, self.draft_engine).result()
+            self.prefill_cost = on_worker(calibration.prefill_cost, model_id, self.engine).result()
         if self.proposers:
             self.costs = on_worker(
                 calibration.speculation_costs, model_id, self.engine, self.draft_engine, config.speculative
@@ -158,6 +160,8 @@ class ModelService:
         the prefills begun beside a cache lookup."""
         cache = getattr(self.engine, "prefix_cache", None)
         out = {**self.stats.as_dict(), **(cache.stats() if cache is not None else {})}
+        if self.prefill_cost is not None:  # admission's prior for this model (ingress/pipeline.py)
+            out["prefill_fixed_ms"], out["prefill_ms_per_token"] = (round(v, 3) for v in self.prefill_cost)
         if self.step_mode is not None:
             out["step_mode_batched"] = self.step_mode.decisions["batched"]
             out["step_mode_turns"] = self.step_mode.decisions["turns"]

@@ -297,3 +297,24 @@ def test_the_step_queue_batches_by_deadline_and_schedules_one_runner_at_a_time()
         assert not queue.put_back([late]) and queue.take() == ([late, none], False)
     finally:
         loop.close()
+
+
+def test_a_replica_measures_its_prefill_cost_for_admissions_prior():
+    """A model replica measures a prefill's fixed part and per-token cost at its start (two
+    prompts nothing is cached for) and reports them; an ingress seeds admission with them, so
+    the first prompts after a start are not priced by the configured guess."""
+    from admission.policy import AdmissionPolicy
+    from configs.schemas import AdmissionConfig
+    from configs.serve_config import load_serve_config
+    from target.service import ModelService
+
+    stage = load_serve_config().args.draft.model_copy(deep=True)  # the shipped llama.cpp small model
+    service = ModelService(stage)
+    stats = service.snapshot()
+    fixed, per_token = stats["prefill_fixed_ms"], stats["prefill_ms_per_token"]
+    assert 0 <= fixed < 500 and 0.01 <= per_token < 50, stats
+    policy = AdmissionPolicy(AdmissionConfig())
+    policy.seed_prefill(stage.engine.model_id, fixed, per_token)
+    est = policy.estimates[stage.engine.model_id]
+    assert est.prefill_ms(400) == pytest.approx(fixed + 400 * per_token)
+    assert policy.estimates["another"].prefill_ms(400) == pytest.approx(400 * AdmissionConfig().prior_prefill_ms_per_token)

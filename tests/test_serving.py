@@ -618,3 +618,27 @@ def test_a_request_only_the_busy_large_model_may_take_is_shed_at_arrival_without
     finally:
         ctx.__exit__(None, None, None)
         client.close()
+
+
+def test_a_conversations_next_turn_is_priced_past_the_prefix_its_model_holds(service):
+    """Admission prices a prompt by the tokens its engine will compute: the next turn of a long
+    conversation, whose earlier turns the model just prefilled, is predicted a fraction of the
+    first turn's time to first token, where priced in full it would be predicted as late."""
+    import random
+
+    rng = random.Random(time.time_ns())
+    words = "river stone copper lantern meadow harbor violet engine orchard signal canyon ember".split()
+    system = "Context for this support session: " + " ".join(rng.choice(words) for _ in range(500))
+    turns = [{"role": "system", "content": system}, {"role": "user", "content": "Summarize the context in one line."}]
+
+    def predicted_ttft(messages) -> tuple[float, str]:
+        resp = service.http.post("/v1/chat/completions", headers=NO_CACHE,
+                                 json={"model": TARGET, "messages": messages, "max_tokens": 8, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        predicted = dict(kv.strip().split("=") for kv in resp.headers["x-admission-predicted"].split(";"))
+        return float(predicted["ttft_ms"]), resp.json()["choices"][0]["message"]["content"]
+
+    first, answer = predicted_ttft(turns)
+    turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And in three words?"}]
+    second, _ = predicted_ttft(turns)
+    assert second < first / 2, (first, second)
