@@ -233,7 +233,10 @@ class AdmissionConfig(_Strict):
         "`default` applies to every tenant not listed"
     )
     prior_itl_ms: float = Field(60.0, gt=0, description="decode ms/token assumed until observed")
-    prior_prefill_ms_per_token: float = Field(0.5, gt=0, description="prefill ms/token assumed until observed")
+    prior_prefill_ms_per_token: float = Field(
+        0.5, gt=0, description="prefill ms/token assumed until observed, for a model whose replica does not measure "
+        "its own at its start (the CPU engines do; vLLM does not)",
+    )
     safety: float = Field(
         1.1, ge=1.0, description="predicted decode times (the end-to-end part, which no feedback calibrates) are "
         "multiplied by this; a first token's prediction is calibrated at the median per model, and its margin is "
