@@ -208,7 +208,8 @@ class ModelEstimates:
     def seed_prefill(self, fixed_ms: float, per_token_ms: float) -> None:
         """Priors measured on the model's own replica (target/calibration.py: prefill_cost), in
         place of the configured guess until this model's own prefills are measured here."""
-        self.prior_prefill_fixed_ms, self.prior_prefill_ms_per_token = max(0.0, fixed_ms), per_token_ms
+        self.prior_prefill_fixed_ms = max(0.0, fixed_ms)
+        self.prior_prefill_ms_per_token = per_token_ms
 
     def expected_tokens(self, max_tokens: int) -> float:
         # Until a few completions are observed, assume half the budget is used.

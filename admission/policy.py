@@ -143,7 +143,8 @@ class AdmissionPolicy:
         priced by the prompt tokens its engine computed (`reused_tokens` came from its prefix cache)."""
         concurrency = (ticket.concurrency_at_start + self.gate.concurrency()) / 2
         self.estimates[ticket.model_id].observe(
-            prompt_tokens=max(1, ticket.prompt_tokens - reused_tokens), prefill_ms=prefill_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
+            prompt_tokens=max(1, ticket.prompt_tokens - reused_tokens), prefill_ms=prefill_ms, ttft_ms=ttft_ms,
+            queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
             concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks,
         )
