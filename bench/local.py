@@ -105,7 +105,10 @@ def running_service_urls(
             args.ingress.direct_host, args.ingress.direct_port = "127.0.0.1", free_port()
         port = free_port()
         logging_config = quiet_logging(serve_file)
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=logging_config)
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": port}, logging_config=logging_config,
+            controller_options=serve_file.controller_options or None,
+        )
         deployment_options = copy.deepcopy(serve_file.deployment_options)
         if options:
             options(deployment_options)

@@ -7,7 +7,7 @@ and runtime_env variables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ class ServeFile:
     http_port: int
     env_vars: dict[str, str]
     logging_config: dict[str, Any]
+    controller_options: dict[str, Any] = field(default_factory=dict)  # Serve's controller actor (its env vars)
 
 
 def load_serve_config(path: str | Path = DEFAULT_SERVE_CONFIG, app_index: int = 0) -> ServeFile:
@@ -56,4 +57,5 @@ def load_serve_config(path: str | Path = DEFAULT_SERVE_CONFIG, app_index: int = 
         http_port=int(http.get("port", 8000)),
         env_vars=dict((app.runtime_env or {}).get("env_vars", {})),
         logging_config=dict(raw.get("logging_config", {})),
+        controller_options=dict(raw.get("controller_options") or {}),
     )

@@ -14,6 +14,7 @@ from ray import serve
 
 from admission.ledger import AdmissionLedger, AdmissionShare, ReplicaReport
 from configs.schemas import AdmissionConfig
+from deployments.serve_status import deployment_states_async
 from semantic_cache.invalidations import InvalidationLog, Invalidations
 from telemetry.metrics import ControllerMetrics
 
@@ -35,12 +36,10 @@ class AdmissionController:
 
     async def _count_replicas_forever(self, recorder: ControllerMetrics | None, every_s: float = 5.0) -> None:
         app = serve.get_replica_context().app_name
-        loop = asyncio.get_running_loop()
         while True:
             try:
-                status = await loop.run_in_executor(None, serve.status)  # a controller call: off the loop
-                deployments = status.applications[app].deployments
-                self.replicas = {name: int(d.replica_states.get("RUNNING", 0)) for name, d in deployments.items()}
+                states = await deployment_states_async(app)  # a controller call: off the loop
+                self.replicas = {name: d.replicas.get("RUNNING", 0) for name, d in states.items()}
                 if recorder is not None:
                     recorder.replicas(self.replicas)
             except Exception as exc:

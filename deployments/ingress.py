@@ -18,6 +18,7 @@ from configs.limits import check_ingress
 from configs.schemas import AppArgs, EngineConfig
 from deployments.channel import ChannelClient, ChannelError, ChannelPool
 from deployments.limits import own_max_ongoing_requests
+from deployments.serve_status import deployment_states_async
 from deployments.transport import over
 from engines.model_store import resolve_model_dir
 from host_tuning.niceness import ahead_of_compute
@@ -163,12 +164,8 @@ class HandleBackends:
 async def _sole_replicas() -> set[str]:
     """The deployments of this replica's app that Serve says are healthy with one replica (in
     any state: not scaling, not starting a second). One controller call."""
-    app = serve.get_replica_context().app_name
-    status = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, serve.status), timeout=10)
-    return {
-        name for name, state in status.applications[app].deployments.items()
-        if getattr(state.status, "value", state.status) == "HEALTHY" and sum(state.replica_states.values()) == 1
-    }
+    states = await deployment_states_async(serve.get_replica_context().app_name)
+    return {name for name, state in states.items() if state.healthy and sum(state.replicas.values()) == 1}
 
 
 def _prompt_builders(args: AppArgs) -> dict[str, PromptBuilder]:

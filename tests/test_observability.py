@@ -66,7 +66,7 @@ def test_every_metric_is_on_the_prometheus_endpoint_after_one_request(service):
     if service.config.args.target.speculative.method == "none":  # a counter Ray exports once it first moves
         wanted = {name for name in wanted if "spec_decode" not in name}
     # This request's own samples, not just the names (earlier tests export the same series):
-    # Ray's agent collects every ~10 s and the replica gauge is read every 5 s from serve.status().
+    # Ray's agent collects every ~10 s and the replica gauge is read every 5 s from the Serve controller.
     expected = [
         r'^ray_latency_serve_requests_shed_total\{[^}]*reason="rate_limit_requests"',
         r'^ray_latency_serve_requests_total\{[^}]*status="429"',
@@ -144,3 +144,33 @@ def test_a_rejected_request_is_traced_with_its_error(service, otlp_sink):
     root = next(s for s in spans if s.name == "POST /v1/chat/completions")
     assert root.attributes["http.response.status_code"] == 400
     assert root.attributes["error.type"] == "invalid_request"
+
+
+def test_the_replica_counts_read_off_the_raw_details_agree_with_serve_status(service):
+    """The controller's and the ingresses' periodic reads skip `serve.status()`'s pydantic
+    rebuild: the raw details they read must say what `serve.status()` says, deployment by
+    deployment, or seats and side channels follow a wrong count."""
+    from ray import serve
+
+    from deployments.serve_status import _from_details, _from_status
+
+    app = service.config.app_name
+    raw, full = _from_details(app), _from_status(app)
+    assert set(raw) == set(full) >= {"Ingress", "TargetModel", "DraftModel", "AdmissionController"}
+    for name in full:
+        assert raw[name] == full[name], name
+    assert raw["TargetModel"].healthy and raw["TargetModel"].replicas == {"RUNNING": 1}
+    assert serve.status().applications[app].deployments["TargetModel"].replica_states == {"RUNNING": 1}
+
+
+def test_the_serve_controller_runs_with_the_profiles_loop_interval(service):
+    """serve_config.yaml slows Serve's reconcile loop on a small box (controller_options); the
+    test graph starts the controller with the same options, so what it measures is what ships."""
+    import ray
+
+    want = service.config.controller_options.get("runtime_env", {}).get("env_vars", {})
+    if "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in want:
+        pytest.skip("this profile keeps Serve's own loop interval")
+    controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    got = ray.get(controller.__ray_call__.remote(lambda self: __import__("os").environ.get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S")))
+    assert got == want["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]
