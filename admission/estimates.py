@@ -206,8 +206,8 @@ class ModelEstimates:
         return self.prior_prefill_fixed_ms if fitted is None else fitted
 
     def seed_prefill(self, fixed_ms: float, per_token_ms: float) -> None:
-        """Priors measured on the model's own replica (target/calibration.py: prefill_cost), in
-        place of the configured guess until this model's own prefills are measured here."""
+        """Priors from the model's own replica (target/calibration.py: prefill_cost), in place of
+        the configured guess until this model's own prefills are observed here."""
         self.prior_prefill_fixed_ms = max(0.0, fixed_ms)
         self.prior_prefill_ms_per_token = per_token_ms
 

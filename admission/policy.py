@@ -150,7 +150,7 @@ class AdmissionPolicy:
         )
 
     def seed_prefill(self, model_id: str, fixed_ms: float, per_token_ms: float) -> None:
-        """The prefill cost the model's replica measured at its start: the prior of its
+        """The prefill cost the model's replica timed at its start: the prior of its
         predictions here until its own prefills are observed."""
         if per_token_ms > 0:
             self.estimates[model_id].seed_prefill(fixed_ms, per_token_ms)

@@ -332,7 +332,7 @@ class Ingress:
 
     async def _warm(self, calls, finding: list[tuple[ChannelPool, DeploymentHandle, str | None]]) -> None:
         """Until every stage answers: then join the direct port. A model's answer carries the
-        prefill cost its replica measured, admission's prior for it."""
+        prefill cost its replica timed at its start, admission's prior for it."""
         for call, model_id in calls:
             while True:
                 try:

@@ -86,7 +86,7 @@ PREFILL_PROBE_TOKENS = (48, 304)  # two prompt lengths: a line through them pric
 
 def prefill_cost(model_id: str, engine: Engine) -> tuple[float, float]:
     """(fixed ms per pass, ms per prompt token) of a prefill on this replica, from two prompts
-    no context has seen: what admission prices prompts by until it has measured its own. The
+    no context has seen: what admission prices prompts by until it has timed its own. The
     configured prior is a guess for any hardware: priced by it, the first clump of prompts after
     a start reaches its first tokens several times later than predicted."""
     ids = engine.tokenizer.encode(WARMUP_TEXT)

@@ -134,7 +134,7 @@ class ModelService:
         self.step_mode: StepModeChooser | None = None  # batch the waiting steps, or a round each in turn
         # On the worker thread, like every later forward pass (target/calibration.py).
         model_id, on_worker = config.engine.model_id, self.executor.submit
-        self.prefill_cost: tuple[float, float] | None = None  # (fixed ms, ms per token), measured here
+        self.prefill_cost: tuple[float, float] | None = None  # (fixed ms, ms per token), timed on this replica
         if config.engine.warmup:
             on_worker(calibration.warm_up, model_id, self.engine, self.draft_engine).result()
             self.prefill_cost = on_worker(calibration.prefill_cost, model_id, self.engine).result()
