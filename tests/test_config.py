@@ -182,6 +182,23 @@ def test_every_profile_binds_its_graph_within_its_limits():
     assert gpu.auth.required and not gpu.host_tuning.enabled  # a cluster asks for keys and runs no host tuning
 
 
+def test_small_box_profiles_slow_serve_own_background_work_and_gpu_profiles_do_not():
+    """The profiles for a small CPU box (host tuning on) run Serve's controller loop at 2 Hz and
+    push Serve's metrics once a second (docs/small-cpu-tuning.md); the cluster and GPU profiles
+    keep Serve's defaults."""
+    from configs.serve_config import REPO_ROOT
+
+    for path in [DEFAULT_SERVE_CONFIG, *sorted((REPO_ROOT / "configs").glob("*.yaml"))]:
+        serve_file = load_serve_config(path)
+        controller_env = serve_file.controller_options.get("runtime_env", {}).get("env_vars", {})
+        if serve_file.args.host_tuning.enabled:
+            assert controller_env.get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == "0.5", path
+            assert controller_env.get("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS") == "1000", path
+            assert serve_file.env_vars.get("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS") == "1000", path
+        else:
+            assert not controller_env and "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS" not in serve_file.env_vars, path
+
+
 def test_limits_that_contradict_each_other_fail_at_load_naming_both(tmp_path):
     """configs/limits.py: a model replica that takes fewer calls than its engine runs, an ingress
     that can't hold what admission lets in, a llama_cpp batch above its sequences."""
