@@ -368,6 +368,11 @@ class HostTuningConfig(_Strict):
         True, description="a prefill that starts beside the cache lookup keeps to one thread until the lookup's "
         "embedding is done (host_tuning/lookup_window.py)",
     )
+    engine_own_session: bool = Field(
+        True, description="a vLLM engine's processes take a session, so a scheduling group, of their own "
+        "instead of sharing Ray's (host_tuning/engine_group.py): with the kernel's autogroup on, the engine's "
+        "compute in Ray's group can hold a small box's cores for long stretches",
+    )
     busy_box_small_from: int = Field(
         1, ge=0, description="requests running on the box's models from which an auto request whose tier may "
         "downgrade goes to the small model while it has a free seat and is predicted to finish no later there: "

@@ -9,6 +9,8 @@ reaches the product through one narrow hook:
   (the engines' thread count);
 - `lookup_window`: a prefill that starts beside the cache lookup leaves one core to its
   embedding (the ingress's `LookupWindow`, the model replica's `PrefillWindow`);
+- `engine_group`: a vLLM engine's processes in a session, so a scheduling group, of their own
+  (`target.service.build_service`, before the engine starts);
 - the same-node side channels live in `deployments/channel.py`, opened by the deployments only
   where `side_channels` is on.
 

@@ -465,5 +465,9 @@ def build_service(
     if config.engine.kind == "vllm":
         from engines.vllm_service import VLLMService
 
+        if host is not None and host.enabled and host.engine_own_session:
+            from host_tuning.engine_group import own_session_for_engine
+
+            own_session_for_engine()
         return VLLMService(config)
     return ModelService(config, remote_draft=remote_draft, host=host)

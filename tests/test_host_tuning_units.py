@@ -266,3 +266,81 @@ def test_a_request_path_replica_goes_ahead_of_the_compute_on_every_thread_or_say
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+_FAKE_ENGINE_CORE = '''
+import os
+
+
+class EngineCoreProc:
+    @staticmethod
+    def run_engine_core(report, *, dp_rank=0):
+        report.put((os.getpid(), os.getsid(0), os.getpgid(0), dp_rank))
+'''
+
+
+def _started_engine_core(method: str, tmp_path) -> tuple[int, int, int, int]:
+    """What the process that vLLM would start as its engine core reports about its session,
+    started the way vLLM starts it (the class's static method as the target) after the hook."""
+    import subprocess
+    import sys
+    import textwrap
+
+    package = tmp_path / "vllm" / "v1" / "engine"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "vllm", tmp_path / "vllm" / "v1", package):
+        (folder / "__init__.py").write_text("")
+    (package / "core.py").write_text(_FAKE_ENGINE_CORE)
+    script = textwrap.dedent(f"""
+        import multiprocessing, os, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        sys.path.insert(0, {os.getcwd()!r})
+        from host_tuning.engine_group import own_session_for_engine
+        from vllm.v1.engine.core import EngineCoreProc
+        if __name__ == "__main__":
+            assert own_session_for_engine() and own_session_for_engine()  # twice: hooked once
+            context = multiprocessing.get_context({method!r})
+            report = context.Queue()
+            child = context.Process(target=EngineCoreProc.run_engine_core, args=(report,), kwargs={{"dp_rank": 3}})
+            child.start()
+            print(*report.get(timeout=60), os.getsid(0))
+            child.join(timeout=60)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          start_new_session=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    pid, sid, pgid, rank, parent_sid = map(int, done.stdout.split())
+    assert rank == 3, "vLLM's own entry ran, with its arguments"
+    return pid, sid, pgid, parent_sid
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_the_vllm_engine_core_takes_a_session_of_its_own(method, tmp_path):
+    """host_tuning/engine_group.py: the engine core (and so the workers it starts) leaves the
+    replica's session, so the kernel's autogroup schedules it apart from Ray's processes; with
+    `spawn`, as vLLM starts it in a Ray actor, the child finds the hook by name."""
+    pid, sid, pgid, parent_sid = _started_engine_core(method, tmp_path)
+    assert sid == pid == pgid and sid != parent_sid
+
+
+def test_the_vllm_engine_keeps_its_session_where_vllm_has_no_such_entry(tmp_path, caplog):
+    import sys
+
+    from host_tuning import engine_group
+
+    (tmp_path / "vllm" / "v1" / "engine").mkdir(parents=True)
+    for folder in ("vllm", "vllm/v1", "vllm/v1/engine"):
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "v1" / "engine" / "core.py").write_text("class EngineCoreProc:\n    pass\n")
+    saved = {name: module for name, module in sys.modules.items() if name == "vllm" or name.startswith("vllm.")}
+    for name in saved:
+        del sys.modules[name]
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert engine_group.own_session_for_engine() is False
+        assert "keeps Ray's scheduling group" in caplog.text
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)

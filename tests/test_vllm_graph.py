@@ -80,3 +80,20 @@ def test_a_cached_answer_is_verified_by_vllm_and_the_answer_stays_the_models(vll
     alone = ask("Name three uses of copper", **{"cache-control": "no-cache"})
     assert alone.headers["x-cache"] == "bypass"
     assert reworded.json()["choices"][0]["message"]["content"] == alone.json()["choices"][0]["message"]["content"]
+
+
+def test_the_vllm_engine_runs_in_a_session_apart_from_rays(vllm_graph):
+    """host_tuning/engine_group.py on the real engine: the target replica's engine core and its
+    workers share a session, not the replica's (the kernel's autogroup schedules them apart)."""
+    import os
+
+    import psutil
+
+    cores = [p for p in psutil.process_iter(["name", "cmdline"])
+             if "VLLM::EngineCore" in " ".join(p.info["cmdline"] or [p.info["name"] or ""])]
+    in_graph = [p for p in cores if "ServeReplica" in " ".join(p.parent().cmdline() if p.parent() else [])]
+    assert in_graph, "the graph's target replica started a vLLM engine core"
+    for core in in_graph:
+        assert os.getsid(core.pid) == core.pid != os.getsid(core.parent().pid)
+        for worker in core.children(recursive=True):
+            assert os.getsid(worker.pid) == core.pid
