@@ -62,7 +62,7 @@ class VLLMConfig(Strict):
 
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         "auto", description="activation/weight dtype; auto = on a GPU, vLLM's choice (the checkpoint's bf16/fp16); "
-        "on a CPU, bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (engines/vllm_service.py: resolve_dtype)"
+        "on a CPU, float32, as the CPU profile's target (engines/vllm_service.py: resolve_dtype)"
     )
     quantization: Literal["awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors"] | None = Field(
         None, description="quantized weights; None = as stored"

