@@ -51,7 +51,7 @@ def resolve_dtype(dtype: str, on_cpu: bool) -> str:
 
     vLLM's own auto picks bfloat16 on every x86 CPU, and SmolLM2's greedy answers then change
     with the CPU's bfloat16 path: emulated on AVX2, and natively on AVX512-BF16 without AMX,
-    "capital of France" no longer said Paris, and cached answers verify far less often
+    "capital of France" is not answered with Paris, and cached answers verify far less often
     (docs/engines.md). `dtype: bfloat16` asks for it where its speed is worth that. On a GPU
     `auto` stays vLLM's (the checkpoint's bf16/fp16).
     """

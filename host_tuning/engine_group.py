@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +38,26 @@ def run_engine_core_in_own_session(*args, **kwargs):
         os.setsid()
     except OSError as error:  # already a session or group leader: keep the session it has
         log.warning("vLLM engine core keeps its parent's scheduling group: setsid failed (%s)", error)
+    else:
+        _end_with_parent(os.getppid())
     entry = getattr(run_engine_core_in_own_session, _HOOKED, None) or EngineCoreProc.run_engine_core
     return entry(*args, **kwargs)
+
+
+def _end_with_parent(parent: int, period_s: float = 1.0, grace_s: float = 10.0) -> None:
+    """vLLM's engine core does not watch the process that started it, and one in a session of its
+    own outlives a replica killed outright: it ends itself once that replica is gone (vLLM's
+    shutdown on SIGTERM, then SIGKILL after `grace_s`; its workers follow it on their own)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        log.warning("vLLM engine core: the replica that started it is gone; ending")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="engine-core-parent-watch", daemon=True).start()
 
 
 def own_session_for_engine() -> bool:

@@ -323,6 +323,56 @@ def test_the_vllm_engine_core_takes_a_session_of_its_own(method, tmp_path):
     assert sid == pid == pgid and sid != parent_sid
 
 
+def test_an_engine_core_in_its_own_session_ends_when_the_replica_is_killed(tmp_path):
+    """Out of the replica's session, nothing else stops the engine core with the replica: it
+    watches for the replica's end and ends itself."""
+    import subprocess
+    import sys
+    import textwrap
+
+    package = tmp_path / "vllm" / "v1" / "engine"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "vllm", tmp_path / "vllm" / "v1", package):
+        (folder / "__init__.py").write_text("")
+    (package / "core.py").write_text(
+        "import os, time\n\nclass EngineCoreProc:\n    @staticmethod\n    def run_engine_core(report):\n"
+        "        report.put(os.getpid())\n        time.sleep(120)\n"
+    )
+    script = textwrap.dedent(f"""
+        import multiprocessing, os, signal, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        sys.path.insert(0, {os.getcwd()!r})
+        from host_tuning.engine_group import own_session_for_engine
+        from vllm.v1.engine.core import EngineCoreProc
+        if __name__ == "__main__":
+            own_session_for_engine()
+            context = multiprocessing.get_context("spawn")
+            report = context.Queue()
+            context.Process(target=EngineCoreProc.run_engine_core, args=(report,)).start()
+            print(report.get(timeout=60), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # the replica, killed outright
+    """)
+    with open(tmp_path / "out", "w") as out:  # a file, not a pipe: the engine core must not hold run() open
+        subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, timeout=120,
+                       start_new_session=True, cwd=tmp_path)
+    core = int((tmp_path / "out").read_text().split()[0])
+
+    def running() -> bool:
+        try:
+            with open(f"/proc/{core}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 20
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = running()
+    if alive:
+        os.kill(core, 9)
+    assert not alive, "the engine core outlived the replica"
+
+
 def test_the_vllm_engine_keeps_its_session_where_vllm_has_no_such_entry(tmp_path, caplog):
     import sys
 
