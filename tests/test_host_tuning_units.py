@@ -4,6 +4,7 @@ processes, the lookup window and board, niceness."""
 from __future__ import annotations
 
 import os
+import textwrap
 import threading
 import time
 
@@ -268,48 +269,57 @@ def test_a_request_path_replica_goes_ahead_of_the_compute_on_every_thread_or_say
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
-_FAKE_ENGINE_CORE = '''
-import os
-
-
-class EngineCoreProc:
-    @staticmethod
-    def run_engine_core(report, *, dp_rank=0):
-        report.put((os.getpid(), os.getsid(0), os.getpgid(0), dp_rank))
-'''
-
-
-def _started_engine_core(method: str, tmp_path) -> tuple[int, int, int, int]:
-    """What the process that vLLM would start as its engine core reports about its session,
-    started the way vLLM starts it (the class's static method as the target) after the hook."""
-    import subprocess
-    import sys
-    import textwrap
-
+def _stand_in_vllm(tmp_path, core: str) -> None:
+    """A `vllm.v1.engine.core` module under tmp_path whose source is `core`."""
     package = tmp_path / "vllm" / "v1" / "engine"
     package.mkdir(parents=True)
     for folder in (tmp_path / "vllm", tmp_path / "vllm" / "v1", package):
         (folder / "__init__.py").write_text("")
-    (package / "core.py").write_text(_FAKE_ENGINE_CORE)
+    (package / "core.py").write_text(textwrap.dedent(core))
+
+
+def _as_replica(tmp_path, main: str, out) -> None:
+    """Run `main` as a replica would start vLLM's engine core: in a process of its own, with the
+    stand-in vLLM and this repo importable, after the hook. `out`: a file, not a pipe, so an
+    engine core left running cannot hold `run()` open."""
+    import subprocess
+    import sys
+
     script = textwrap.dedent(f"""
-        import multiprocessing, os, sys
+        import multiprocessing, os, signal, sys
         sys.path.insert(0, {str(tmp_path)!r})
         sys.path.insert(0, {os.getcwd()!r})
         from host_tuning.engine_group import own_session_for_engine
         from vllm.v1.engine.core import EngineCoreProc
         if __name__ == "__main__":
+    """) + textwrap.indent(textwrap.dedent(main), "    ")
+    done = subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, timeout=120,
+                          start_new_session=True, cwd=tmp_path)
+    assert done.returncode in (0, -9), (tmp_path / "out").read_text()[-2000:]
+
+
+def _started_engine_core(method: str, tmp_path) -> tuple[int, int, int, int]:
+    """What the process that vLLM would start as its engine core reports about its session,
+    started the way vLLM starts it (the class's static method as the target) after the hook."""
+    _stand_in_vllm(tmp_path, """
+        import os
+
+        class EngineCoreProc:
+            @staticmethod
+            def run_engine_core(report, *, dp_rank=0):
+                report.put((os.getpid(), os.getsid(0), os.getpgid(0), dp_rank))
+    """)
+    with open(tmp_path / "out", "w") as out:
+        _as_replica(tmp_path, f"""
             assert own_session_for_engine() and own_session_for_engine()  # twice: hooked once
             context = multiprocessing.get_context({method!r})
             report = context.Queue()
             child = context.Process(target=EngineCoreProc.run_engine_core, args=(report,), kwargs={{"dp_rank": 3}})
             child.start()
-            print(*report.get(timeout=60), os.getsid(0))
+            print(*report.get(timeout=60), os.getsid(0), flush=True)
             child.join(timeout=60)
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          start_new_session=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    pid, sid, pgid, rank, parent_sid = map(int, done.stdout.split())
+        """, out)
+    pid, sid, pgid, rank, parent_sid = map(int, (tmp_path / "out").read_text().split())
     assert rank == 3, "vLLM's own entry ran, with its arguments"
     return pid, sid, pgid, parent_sid
 
@@ -326,35 +336,24 @@ def test_the_vllm_engine_core_takes_a_session_of_its_own(method, tmp_path):
 def test_an_engine_core_in_its_own_session_ends_when_the_replica_is_killed(tmp_path):
     """Out of the replica's session, nothing else stops the engine core with the replica: it
     watches for the replica's end and ends itself."""
-    import subprocess
-    import sys
-    import textwrap
+    _stand_in_vllm(tmp_path, """
+        import os, time
 
-    package = tmp_path / "vllm" / "v1" / "engine"
-    package.mkdir(parents=True)
-    for folder in (tmp_path / "vllm", tmp_path / "vllm" / "v1", package):
-        (folder / "__init__.py").write_text("")
-    (package / "core.py").write_text(
-        "import os, time\n\nclass EngineCoreProc:\n    @staticmethod\n    def run_engine_core(report):\n"
-        "        report.put(os.getpid())\n        time.sleep(120)\n"
-    )
-    script = textwrap.dedent(f"""
-        import multiprocessing, os, signal, sys
-        sys.path.insert(0, {str(tmp_path)!r})
-        sys.path.insert(0, {os.getcwd()!r})
-        from host_tuning.engine_group import own_session_for_engine
-        from vllm.v1.engine.core import EngineCoreProc
-        if __name__ == "__main__":
+        class EngineCoreProc:
+            @staticmethod
+            def run_engine_core(report):
+                report.put(os.getpid())
+                time.sleep(120)
+    """)
+    with open(tmp_path / "out", "w") as out:
+        _as_replica(tmp_path, """
             own_session_for_engine()
             context = multiprocessing.get_context("spawn")
             report = context.Queue()
             context.Process(target=EngineCoreProc.run_engine_core, args=(report,)).start()
             print(report.get(timeout=60), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # the replica, killed outright
-    """)
-    with open(tmp_path / "out", "w") as out:  # a file, not a pipe: the engine core must not hold run() open
-        subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, timeout=120,
-                       start_new_session=True, cwd=tmp_path)
+        """, out)
     core = int((tmp_path / "out").read_text().split()[0])
 
     def running() -> bool:
@@ -378,10 +377,10 @@ def test_the_vllm_engine_keeps_its_session_where_vllm_has_no_such_entry(tmp_path
 
     from host_tuning import engine_group
 
-    (tmp_path / "vllm" / "v1" / "engine").mkdir(parents=True)
-    for folder in ("vllm", "vllm/v1", "vllm/v1/engine"):
-        (tmp_path / folder / "__init__.py").write_text("")
-    (tmp_path / "vllm" / "v1" / "engine" / "core.py").write_text("class EngineCoreProc:\n    pass\n")
+    _stand_in_vllm(tmp_path, """
+        class EngineCoreProc:
+            pass
+    """)
     saved = {name: module for name, module in sys.modules.items() if name == "vllm" or name.startswith("vllm.")}
     for name in saved:
         del sys.modules[name]
