@@ -13,7 +13,8 @@ Iteration-level batching: the decode steps that requests ask for while the worke
 are collected, and the next worker job runs them as ONE forward pass (earliest deadline first
 when more are waiting than `max_batch_size`). A new request's prefill joins the worker's queue
 and its first decode step joins the next batch; a finished request leaves at once. A request
-alone speculates. When several wait, `StepModeChooser` prices a batched plain step (the weights
+alone speculates, and the worker runs its next step as soon as the last one ends, without a
+trip through the event loop between them (target/run_ahead.py). When several wait, `StepModeChooser` prices a batched plain step (the weights
 read once for all, a token each) against a speculative round each in turn (several tokens per
 round) from what this replica observed, and takes the cheaper per token: on a small CPU box,
 turns for a few requests, batching for more.
@@ -52,6 +53,7 @@ from host_tuning.lookup_window import PrefillWindow
 from target import calibration
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
+from target.run_ahead import NOTHING, RunAhead
 from target.step_mode import StepModeChooser
 from target.step_queue import StepQueue, earliest_deadline_first
 
@@ -85,6 +87,7 @@ class EngineStats:
         self.last_cancel_free_ms = 0
         self.seat_waits = 0  # requests that waited for a free sequence slot (engine.max_sequences)
         self.prefills_stopped = 0  # cancelled midway (a cache hit beside it, a client gone): the rest not computed
+        self.steps_run_ahead = 0  # a lone request's steps the worker claimed itself (target/run_ahead.py)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -129,6 +132,7 @@ class ModelService:
             proposer.prompt_waiting = self._prefill_waiting
         self._live: dict[str, Generation] = {}  # request id -> its generation, for late hints
         self._ahead: dict[Generation, asyncio.Future] = {}  # next steps asked for before their consumer asks
+        self.run_ahead = RunAhead()  # a lone request's next step, claimed by the worker (target/run_ahead.py)
         self._early_hints: OrderedDict[str, list[int]] = OrderedDict()  # late hints that beat their request here
         self.costs: CostModel | None = None
         self.step_mode: StepModeChooser | None = None  # batch the waiting steps, or a round each in turn
@@ -242,6 +246,8 @@ class ModelService:
             ahead = self._ahead.pop(gen, None) if gen is not None else None
             if ahead is not None:
                 ahead.cancel()  # not run if it has not started; its result dropped if it has
+            if gen is not None:
+                self.run_ahead.forget(gen)
             self.stats.active -= 1
             if decoding:
                 self._decoding -= 1
@@ -287,7 +293,19 @@ class ModelService:
         """The next decode step of `gen`: usually asked for already, the moment its last one
         came back (`_resolved`), so that it computes while the last chunk travels to the client."""
         ahead = self._ahead.pop(gen, None)
-        return await (ahead if ahead is not None else self._schedule(gen))
+        return await (ahead if ahead is not None else self._next(gen))
+
+    def _next(self, gen: Generation) -> asyncio.Future:
+        """`gen`'s next step: the one the worker claimed and runs already, where it did
+        (target/run_ahead.py), else a step queued now. On the event loop's thread."""
+        loop = asyncio.get_running_loop()
+        taken = self.run_ahead.take_up(gen, loop)
+        if taken is None:
+            return self._schedule(gen)
+        future, result = taken
+        if result is not NOTHING:  # it ended before this asked
+            loop.call_soon(self._resolved, gen, future, result)
+        return future
 
     def _schedule(self, gen: Generation) -> asyncio.Future:
         """Queue `gen`'s next decode step, batched with whatever other steps are waiting. On the
@@ -308,7 +326,7 @@ class ModelService:
         if chunk is None or chunk.finish_reason is not None or gen.finished or gen in self._ahead:
             return
         if self._live.get(gen.request.request_id) is gen:
-            self._ahead[gen] = self._schedule(gen)
+            self._ahead[gen] = self._next(gen)
 
     def _resolved(self, gen: Generation, done: asyncio.Future, result) -> None:
         """On the event loop: a step's result reaches its waiter, and the step after it is
@@ -330,7 +348,45 @@ class ModelService:
                 result = gen.step()
         except Exception as exc:  # never strand the waiting request
             result = exc
+        self._answer(loop, gen, done, result)
+
+    def _answer(self, loop: asyncio.AbstractEventLoop, gen: Generation, done: asyncio.Future, result) -> None:
+        """On the worker thread: hand the loop `gen`'s step. While `gen` decodes alone and no
+        job waits for the worker, claim its next step first and run it at once
+        (target/run_ahead.py), for as long as the loop keeps taking the claims up."""
+        while self._runs_ahead(gen, result) and self.run_ahead.claim(gen):
+            loop.call_soon_threadsafe(self._resolved, gen, done, result)
+            result = self._lone_step(gen)
+            done = self.run_ahead.finish(gen, result)
+            if done is None:  # the loop takes the chunk up when it asks, or the request is gone
+                return
         loop.call_soon_threadsafe(self._resolved, gen, done, result)
+
+    def _runs_ahead(self, gen: Generation, result) -> bool:
+        """`gen` goes on, alone, its consumer still there, and no job waits for the worker (a
+        prompt, another request's step, a draft's proposal, an abort: each then waits for one
+        step at most). The loop's state read from the worker: at worst one step more is run,
+        as the loop's own step ahead may."""
+        if not isinstance(result, GenerateChunk) or result.finish_reason is not None or gen.finished:
+            return False
+        if self._decoding != 1 or not self.executor._work_queue.empty():
+            return False
+        return self._live.get(gen.request.request_id) is gen
+
+    def _lone_step(self, gen: Generation) -> GenerateChunk | BaseException:
+        """On the worker thread: a claimed step (a speculative round where `gen` speculates)."""
+        start = time.perf_counter()
+        try:
+            with self.worker_clock.job("steps"):
+                result = gen.step()
+        except Exception as exc:  # never strand the waiting request
+            return exc
+        if self.step_mode is not None and gen.spec is None:
+            self.step_mode.observe_plain((time.perf_counter() - start) * 1000)
+        self.stats.decode_batches += 1
+        self.stats.batched_steps += 1
+        self.stats.steps_run_ahead += 1
+        return result
 
     def _prefill_waiting(self) -> bool:
         """A prefill is queued on the worker and not yet running."""
@@ -377,6 +433,9 @@ class ModelService:
         self.stats.decode_batches += 1
         self.stats.batched_steps += len(gens)
         self.stats.max_batch = max(self.stats.max_batch, len(gens))
+        if len(waiting) == 1:
+            self._answer(loop, *waiting[0], results[0])
+            return
         for (gen, done), result in zip(waiting, results):
             loop.call_soon_threadsafe(self._resolved, gen, done, result)
 

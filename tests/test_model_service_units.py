@@ -318,3 +318,116 @@ def test_a_replica_measures_its_prefill_cost_for_admissions_prior():
     est = policy.estimates[stage.engine.model_id]
     assert est.prefill_ms(400) == pytest.approx(fixed + 400 * per_token)
     assert policy.estimates["another"].prefill_ms(400) == pytest.approx(400 * AdmissionConfig().prior_prefill_ms_per_token)
+
+
+def _text_of(service, request_id: str, question: str, max_tokens: int) -> tuple[str, int]:
+    async def collect() -> tuple[str, int]:
+        ids = prompt_ids(service.engine, question)
+        text, tokens = "", 0
+        async for chunk in service.generate(GenerateRequest(request_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))):
+            text, tokens = text + chunk.text, tokens + chunk.num_tokens
+        return text, tokens
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculating"])
+def test_a_lone_request_runs_its_steps_ahead_and_answers_the_same(serve_file, speculative):
+    """target/run_ahead.py: a request decoding alone has its next step run by the worker as
+    soon as its last one ends, with no trip through the event loop between them. Most of its
+    steps go that way, and the answer, chunk order included, is the one it gets without."""
+    from target.service import ModelService
+
+    stage = serve_file.args.target.model_copy(deep=True)
+    if not speculative:
+        stage.speculative.method = "none"
+    stage.engine.warmup = False
+    service = ModelService(stage)
+    question = "Explain in detail how a bicycle works."
+    ahead_text, ahead_tokens = _text_of(service, "ahead", question, 40)
+    steps = service.stats.decode_batches
+    assert ahead_tokens == 40 and service.stats.steps_run_ahead >= steps - 2 > 0, service.snapshot()
+    assert len(service.run_ahead) == 0
+    service._runs_ahead = lambda gen, result: False  # every step through the event loop
+    before = service.stats.steps_run_ahead
+    plain_text, plain_tokens = _text_of(service, "plain", question, 40)
+    assert service.stats.steps_run_ahead == before
+    assert (ahead_text, ahead_tokens) == (plain_text, plain_tokens)
+    service.executor.shutdown()
+
+
+def test_a_job_queued_beside_a_lone_request_waits_for_one_step_at_most(serve_file):
+    """While a request runs its steps ahead, a job queued for the worker (a new prompt's
+    prefill, a draft's proposal for another replica, an abort) starts after the step in progress
+    and at most the one already claimed, not after the whole answer."""
+    from target.service import ModelService
+
+    stage = serve_file.args.draft.model_copy(deep=True)
+    stage.engine.warmup = False
+    service = ModelService(stage)
+    steps = [0]
+    real = service.engine.decode_batch, service.engine.decode_step
+
+    def count(fn):
+        def counted(*a, **kw):
+            steps[0] += 1
+            return fn(*a, **kw)
+        return counted
+
+    service.engine.decode_batch, service.engine.decode_step = (count(fn) for fn in real)
+
+    async def scenario() -> tuple[int, int, int]:
+        started = asyncio.Event()
+
+        async def collect() -> int:
+            ids = prompt_ids(service.engine, "Count from one to one hundred.")
+            n = 0
+            async for chunk in service.generate(GenerateRequest("long", ids, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))):
+                n += chunk.num_tokens
+                if n >= 4:
+                    started.set()
+            return n
+
+        long = asyncio.create_task(collect())
+        await started.wait()
+        at_submit = steps[0]
+        ran_at = await asyncio.get_running_loop().run_in_executor(service.executor, lambda: steps[0])
+        return at_submit, ran_at, await long
+
+    at_submit, ran_at, tokens = asyncio.run(scenario())
+    assert service.stats.steps_run_ahead > 0
+    assert ran_at - at_submit <= 2, (at_submit, ran_at)
+    assert tokens == 48
+    service.executor.shutdown()
+
+
+def test_a_lone_request_cancelled_while_running_ahead_leaves_nothing_claimed(serve_file):
+    """Its consumer gone, the step under way ends, nothing more runs for it, its KV is freed on
+    the worker, and the next request decodes (and runs ahead) as before."""
+    from target.service import ModelService
+
+    stage = serve_file.args.draft.model_copy(deep=True)
+    stage.engine.warmup = False
+    service = ModelService(stage)
+
+    async def scenario() -> None:
+        ids = prompt_ids(service.engine, "Count from one to one hundred.")
+        stream = service.generate(GenerateRequest("gone", ids, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)))
+        n = 0
+        async for chunk in stream:
+            n += chunk.num_tokens
+            if n >= 6:
+                break
+        await stream.aclose()
+        await asyncio.get_running_loop().run_in_executor(service.executor, lambda: None)  # after the abort
+        assert service.stats.requests_cancelled == 1 and service.stats.active == 0
+        assert len(service.run_ahead) == 0 and not service._ahead
+        assert service.stats.last_cancel_rounds_after <= 2, service.snapshot()
+        before = service.stats.steps_run_ahead
+        text = ""
+        async for chunk in service.generate(GenerateRequest("next", ids, SamplingParams(max_tokens=12, temperature=0.0))):
+            text += chunk.text
+        assert text and service.stats.steps_run_ahead > before
+
+    asyncio.run(scenario())
+    service.executor.shutdown()
