@@ -14,10 +14,11 @@ are collected, and the next worker job runs them as ONE forward pass (earliest d
 when more are waiting than `max_batch_size`). A new request's prefill joins the worker's queue
 and its first decode step joins the next batch; a finished request leaves at once. A request
 alone speculates, and the worker runs its next step as soon as the last one ends, without a
-trip through the event loop between them (target/run_ahead.py). When several wait, `StepModeChooser` prices a batched plain step (the weights
-read once for all, a token each) against a speculative round each in turn (several tokens per
-round) from what this replica observed, and takes the cheaper per token: on a small CPU box,
-turns for a few requests, batching for more.
+trip through the event loop between them (target/run_ahead.py). When several wait,
+`StepModeChooser` prices a batched plain step (the weights read once for all, a token each)
+against a speculative round each in turn (several tokens per round) from what this replica
+observed, and takes the cheaper per token: on a small CPU box, turns for a few requests,
+batching for more.
 
 An engine without batching (llama.cpp) runs each sequence's decode step as its own worker job,
 so a new prompt queued behind a round of them would wait for every one: with 4 seats, up to
