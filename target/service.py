@@ -54,6 +54,7 @@ from host_tuning.lookup_window import PrefillWindow
 from target import calibration
 from target.adaptive import CostModel, KChooser
 from target.decoding import Generation, Speculation
+from target.engine_stats import EngineStats
 from target.run_ahead import NOTHING, RunAhead
 from target.step_mode import StepModeChooser
 from target.step_queue import StepQueue, earliest_deadline_first
@@ -62,36 +63,6 @@ if TYPE_CHECKING:
     from engines.vllm_service import VLLMService
 
 log = logging.getLogger(__name__)
-
-
-class EngineStats:
-    """Counters a test, a benchmark or the admission controller can read off a replica."""
-
-    def __init__(self) -> None:
-        self.requests_started = 0
-        self.requests_finished = 0
-        self.requests_cancelled = 0
-        self.tokens_generated = 0
-        self.forward_passes = 0
-        self.decode_batches = 0  # worker jobs that ran decode steps
-        self.batched_steps = 0  # decode steps they ran (batched_steps / decode_batches = mean batch)
-        self.max_batch = 0
-        self.active = 0
-        self.draft_tokens_proposed = 0
-        self.draft_tokens_accepted = 0
-        self.hint_tokens_proposed = 0  # from semantic-cache near misses
-        self.hint_tokens_accepted = 0
-        # Of the last cancelled request: rounds that still ran after the cancel (the one on the
-        # worker thread at that moment finishes; no new one starts), and the ms until its KV was freed.
-        self.last_cancel_rounds_after = 0
-        self.max_cancel_rounds_after = 0
-        self.last_cancel_free_ms = 0
-        self.seat_waits = 0  # requests that waited for a free sequence slot (engine.max_sequences)
-        self.prefills_stopped = 0  # cancelled midway (a cache hit beside it, a client gone): the rest not computed
-        self.steps_run_ahead = 0  # a lone request's steps the worker claimed itself (target/run_ahead.py)
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
 
 
 class ModelService:
@@ -344,12 +315,7 @@ class ModelService:
         if not deferred and self._prefill_waiting():
             self.executor.submit(self._run_one, loop, gen, done, True)  # behind it, in its turn
             return
-        try:
-            with self.worker_clock.job("steps"):
-                result = gen.step()
-        except Exception as exc:  # never strand the waiting request
-            result = exc
-        self._answer(loop, gen, done, result)
+        self._answer(loop, gen, done, self._lone_step(gen))
 
     def _answer(self, loop: asyncio.AbstractEventLoop, gen: Generation, done: asyncio.Future, result) -> None:
         """On the worker thread: hand the loop `gen`'s step. While `gen` decodes alone and no
@@ -358,6 +324,7 @@ class ModelService:
         while self._runs_ahead(gen, result) and self.run_ahead.claim(gen):
             loop.call_soon_threadsafe(self._resolved, gen, done, result)
             result = self._lone_step(gen)
+            self.stats.steps_run_ahead += 1
             done = self.run_ahead.finish(gen, result)
             if done is None:  # the loop takes the chunk up when it asks, or the request is gone
                 return
@@ -375,7 +342,8 @@ class ModelService:
         return self._live.get(gen.request.request_id) is gen
 
     def _lone_step(self, gen: Generation) -> GenerateChunk | BaseException:
-        """On the worker thread: a claimed step (a speculative round where `gen` speculates)."""
+        """On the worker thread: one request's step on its own (a speculative round where it
+        speculates), counted and timed."""
         start = time.perf_counter()
         try:
             with self.worker_clock.job("steps"):
@@ -386,7 +354,6 @@ class ModelService:
             self.step_mode.observe_plain((time.perf_counter() - start) * 1000)
         self.stats.decode_batches += 1
         self.stats.batched_steps += 1
-        self.stats.steps_run_ahead += 1
         return result
 
     def _prefill_waiting(self) -> bool:
@@ -452,14 +419,7 @@ class ModelService:
                 return
             if done.cancelled():
                 continue  # its client left: no step
-            try:
-                with self.worker_clock.job("steps"):
-                    result = gen.step()
-            except Exception as exc:  # never strand the waiting request
-                result = exc
-            self.stats.decode_batches += 1
-            self.stats.batched_steps += 1
-            loop.call_soon_threadsafe(self._resolved, gen, done, result)
+            loop.call_soon_threadsafe(self._resolved, gen, done, self._lone_step(gen))
 
     def _abort(self, gen: Generation, rounds_at_cancel: int, cancelled_at: float) -> None:
         gen.abort()
