@@ -174,11 +174,30 @@ def replicas(app: str, deployment: str) -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
 
 
-def kill_replica(name: str) -> None:
-    """What a crash looks like to Serve: the actor is gone; the controller starts a replacement."""
+def kill_replica(name: str, exit_within_s: float = 10) -> None:
+    """What a crash looks like to Serve: the actor is gone; the controller starts a replacement.
+    Returns once the replica's process has exited (where it ran on this machine): `ray.kill`
+    returns before, and a call sent in between could still be answered by the victim."""
     import ray
 
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    actor = ray.get_actor(name, namespace="serve")
+    try:
+        pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=10)
+    except Exception:  # dying already, or too busy to answer: kill it all the same
+        pid = None
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + exit_within_s
+    while pid and _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def wait_replaced(app: str, deployment: str, victim: str, timeout_s: float = 180) -> bool:
