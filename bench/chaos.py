@@ -131,9 +131,8 @@ def _classify_error(status: int, text: str) -> tuple[str, str]:
     return "lost", f"{status}:no_error_body"
 
 
-async def _load(base: str, workers: int, max_tokens: int, stop: threading.Event, t0: float, out: list[Outcome]) -> None:
-    models = ["smollm2-135m-instruct", "auto", "smollm2-135m-instruct-q4"]
-
+async def _load(base: str, models: list[str], workers: int, max_tokens: int, stop: threading.Event, t0: float,
+                out: list[Outcome]) -> None:
     async def worker(w: int) -> None:
         async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S) as client:
             i = 0
@@ -173,6 +172,7 @@ def run(requests: int | None = None, max_tokens: int = 24, quick: bool = False) 
 
     serve_file = load_serve_config()
     app = serve_file.app_name
+    models = [serve_file.args.target.engine.model_id, "auto", serve_file.args.draft.engine.model_id]
     workers = 4
     settle_s = 3.0 if quick else 6.0
     outcomes: list[Outcome] = []
@@ -180,7 +180,7 @@ def run(requests: int | None = None, max_tokens: int = 24, quick: bool = False) 
     with running_service(serve_file) as base:
         stop = threading.Event()
         t0 = time.monotonic()
-        loader = threading.Thread(target=lambda: asyncio.run(_load(base, workers, max_tokens, stop, t0, outcomes)))
+        loader = threading.Thread(target=lambda: asyncio.run(_load(base, models, workers, max_tokens, stop, t0, outcomes)))
         loader.start()
         try:
             time.sleep(settle_s)  # steady state before the first fault

@@ -4,8 +4,8 @@ Pairs (bench/peer_systems.py), each system started alone on an idle box, stopped
 next starts:
 - `ours-f32` (the whole graph as shipped, every request naming the float32 target, which its
   Q4_1 copy drafts) against `llama-server` on the GGUF as F32;
-- `ours-q4` (the whole graph, every request naming the small model: Q4_1 kernels, its prompts
-  prefilled in F32) against `llama-server-q4` on the shipped Q4_1 file;
+- `ours-q4` (the whole graph, its small model pinned to the file's Q4_1 kernels and named by
+  every request, its prompts prefilled in F32) against `llama-server-q4` on the shipped Q4_1 file;
 - `ours-bare` (the graph with cache, admission and speculation off) against `llama-server`:
   what the graph costs apart from what it adds.
 

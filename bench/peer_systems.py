@@ -203,9 +203,9 @@ class _OurStack(PeerSystem):
 
 @register("ours")
 class OurDefault(_OurStack):
-    precision = "shipped"  # the F32 target drafted by Q4_1 kernels, and the Q4_1 small model
+    precision = "shipped"  # the F32 target drafted by Q4_1 kernels, and the small model on Q8_0
     engine = ("the whole graph, serve_config.yaml as shipped (llama.cpp F32 target drafted by the Q4_1 file; "
-              "llama.cpp Q4_1 small model)")
+              "llama.cpp small model on the file requantized to Q8_0)")
 
 
 @register("ours-f32")
@@ -216,9 +216,19 @@ class OurFloat32(_OurStack):
 
 @register("ours-q4")
 class OurQ4(_OurStack):
+    """The small model pinned to the shipped file's own Q4_1 kernels: the same file and precision as
+    `llama-server-q4`, whatever weights the shipped small model runs."""
+
     precision = "q4_1"
-    engine = "the whole graph as shipped, every request naming the small model (Q4_1 kernels, prompts in F32)"
+    engine = "the whole graph as shipped, the small model on the Q4_1 file and named by every request (prompts in F32)"
     model = "smollm2-135m-instruct-q4"
+
+    def prepare(self) -> None:
+        super().prepare()
+        doc = yaml.safe_load(self.config_path.read_text())
+        small = doc["applications"][0]["args"]["draft"]["engine"]
+        small.update(model_id=self.model, weights="gguf")
+        self.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
 @register("ours-bare")

@@ -112,11 +112,12 @@ class EngineConfig(Strict):
     prefill_quant: Literal["q8_0", "f32"] | None = Field(
         None, description="llama_cpp: evaluate long runs of tokens (a prompt, a draft catching up) on a copy of the "
         "GGUF requantized to this type, made once under cache_dir, and hand its KV back. llama.cpp has no batched "
-        "kernels for Q4_1 on x86, and q8_0's single-token decode is slower than Q4_1's (docs/engines.md)"
+        "kernels for Q4_1 on x86; a prompt on quantized weights can change the first token (docs/engines.md)"
     )
     weights: Literal["gguf", "q8_0", "bf16", "f32"] = Field(
         "gguf", description="llama_cpp: run the GGUF as shipped, or a copy requantized to this type (made once under "
-        "cache_dir). f32: the float32 model's answers (no quantized dot products), slower decode than Q4_1; "
+        "cache_dir). f32: the float32 model's answers (no quantized dot products), slower decode than Q4_1; q8_0: "
+        "batched kernels, so faster than Q4_1 from a few sequences a step on; "
         "bf16: float32's answers on our probes at close to Q4_1's decode time where the CPU has AVX512-BF16, "
         "where Q4_1 and q8_0 quantize activations (docs/engines.md)"
     )

@@ -19,8 +19,8 @@ again. A stream per slot means a pass attends to its own sequences' cells only; 
 pool every pass would attend over (and mask) every slot's cells, and prefills and steps slow
 down with every slot's length.
 
-llama.cpp has no batched x86 kernels for Q4_1, so a long run of tokens evaluates slower per
-token than in Q8_0, whose single-token decode is in turn slower than Q4_1's. With `prefill_quant`, runs
+llama.cpp has no batched x86 kernels for Q4_1, so a long run of tokens (or a step of many
+sequences) evaluates slower per token than in Q8_0 or F32. With `prefill_quant`, runs
 of PREFILL_MIN_TOKENS or more go to one extra context on a requantized copy of the same weights;
 its KV is then copied into the sequence's slot, which decodes on as before.
 """

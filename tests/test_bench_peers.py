@@ -121,12 +121,19 @@ def test_the_feature_off_row_runs_the_shipped_graph_without_cache_admission_or_s
 def test_llama_server_rows_serve_the_file_each_of_ours_runs_at_its_precision(tmp_path):
     """Same weights, same precision within a row: llama-server-q4 the shipped Q4_1 file our small
     model decodes with, llama-server the F32 copy our target runs."""
+    import yaml
+
     from bench.peer_systems import SYSTEMS, gguf_path
+    from configs.schemas import AppArgs
     from configs.serve_config import load_serve_config
 
     args = load_serve_config().args
     assert SYSTEMS["llama-server-q4"](tmp_path).model_file() == gguf_path()
-    assert args.draft.engine.weights == "gguf" and SYSTEMS["ours-q4"].model == args.draft.engine.model_id
+    q4 = SYSTEMS["ours-q4"](tmp_path)
+    q4.prepare()
+    small = AppArgs.model_validate(yaml.safe_load(q4.config_path.read_text())["applications"][0]["args"]).draft.engine
+    assert small.weights == "gguf" and small.source.gguf_file == gguf_path().name and q4.model == small.model_id
+    assert small.model_dump(exclude={"weights", "model_id"}) == args.draft.engine.model_dump(exclude={"weights", "model_id"})
     f32 = SYSTEMS["llama-server"](tmp_path).model_file()
     assert args.target.engine.weights == "f32" and f32.name.endswith(".f32.gguf")
     assert SYSTEMS["ours-f32"].model == args.target.engine.model_id

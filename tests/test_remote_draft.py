@@ -65,7 +65,8 @@ def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
         model="auto", messages=[{"role": "user", "content": "What is the capital of Japan?"}], max_tokens=4,
         extra_headers=NO_CACHE,
     )
-    assert routed.headers["x-route"].startswith("smollm2-135m-instruct-q4;reason=classifier_easy;p_hard=")
+    small = service.config.args.draft.engine.model_id
+    assert routed.headers["x-route"].startswith(f"{small};reason=classifier_easy;p_hard=")
     # With overlap, a repeat is still a cache hit (the model call is cancelled).
     cached = dict(model=TARGET, messages=[{"role": "user", "content": "Name a color."}], temperature=0, max_tokens=6)
     remote.chat.completions.create(**cached)
