@@ -31,7 +31,6 @@ import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -181,9 +180,10 @@ class LlamaCppEngine(Engine):
         source = config.source
         if not (source.package and source.gguf_file):
             raise ValueError("the llama_cpp engine needs a GGUF source (package + gguf_file)")
-        gguf = str(package_dir(source.package) / source.gguf_file)
+        shipped = package_dir(source.package) / source.gguf_file
+        gguf = str(shipped)
         if config.weights != "gguf":
-            gguf = str(requantized_gguf(Path(gguf), config.weights, config.cache_dir))
+            gguf = str(requantized_gguf(shipped, config.weights, config.cache_dir))
         self.model_id = config.model_id
         # The HF tokenizer converted from the same GGUF: same ids, and it detokenizes for streaming.
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(source, config.cache_dir))
@@ -197,7 +197,9 @@ class LlamaCppEngine(Engine):
         self._ctx = _Context(self._models[0], self.max_sequences, config.max_model_len, config.num_threads)
         self._prefill: _Context | None = None
         if config.prefill_quant:
-            quant = str(requantized_gguf(Path(gguf), config.prefill_quant, config.cache_dir))
+            # From the shipped file, not from `weights`' copy: an f32 prefill then holds the same
+            # weights as an f32 target, and the two share one file.
+            quant = str(requantized_gguf(shipped, config.prefill_quant, config.cache_dir))
             self._models.append(_load_model(quant, repack))
             # As many streams as the decoding context: llama.cpp moves a sequence's KV only
             # between contexts of the same stream count. Only its first is used; the others

@@ -769,3 +769,20 @@ def test_the_shipped_small_model_answers_as_float32_does():
             out.append(int(torch.argmax(engine.decode_step(seq, out[-1]))))
         answers.append(engine.tokenizer.decode(out))
     assert "Paris" in answers[0] and answers[0] == answers[1], answers
+
+
+def test_the_small_models_prompts_run_on_the_targets_float32_weights():
+    """serve_config.yaml's small model decodes on a requantized copy and prefills on a float32
+    one: that float32 copy is made from the shipped file, as the target's is, so a prompt's
+    logits (and the KV the small model decodes from) are the float32 target's own."""
+    from configs.serve_config import load_serve_config
+    from engines.llamacpp_engine import LlamaCppEngine
+
+    shipped = load_serve_config().args
+    small_config = shipped.draft.engine
+    assert small_config.weights != "gguf" and small_config.prefill_quant == shipped.target.engine.weights
+    small = LlamaCppEngine(small_config.model_copy(update={"max_sequences": 1}))
+    target = LlamaCppEngine(shipped.target.engine.model_copy(update={"max_sequences": 1}))
+    ids = _chat_ids(target.tokenizer, conversations()["rag"][0])
+    logits = [engine.prefill(engine.new_sequence(), ids) for engine in (small, target)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-4), float((logits[0] - logits[1]).abs().max())
