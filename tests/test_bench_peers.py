@@ -119,8 +119,9 @@ def test_the_feature_off_row_runs_the_shipped_graph_without_cache_admission_or_s
 
 
 def test_llama_server_rows_serve_the_file_each_of_ours_runs_at_its_precision(tmp_path):
-    """Same weights, same precision within a row: llama-server-q4 the shipped Q4_1 file our small
-    model decodes with, llama-server the F32 copy our target runs."""
+    """Same weights, same precision within a row: llama-server-q4 the shipped Q4_1 file, which
+    `ours-q4` pins our small model to (the shipped one runs Q8_0), llama-server the F32 copy our
+    target runs."""
     import yaml
 
     from bench.peer_systems import SYSTEMS, gguf_path
