@@ -37,6 +37,7 @@ import time
 from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
 from admission.ticket import Prediction, Rejection, Ticket
+from admission.occupancy import Occupancy
 from admission.ttft_calibration import TtftCalibration
 
 INF = float("inf")
@@ -79,6 +80,7 @@ class AdmissionGate:
         self.admitted = 0
         self.rejected: dict[str, int] = {}
         self.calibration = TtftCalibration(ttft_tail_quantile, clock)
+        self.occupancy = Occupancy(clock)  # what a request's decode ran beside (policy.observe)
 
     # ------------------------------------------------------------------ state
 
@@ -141,6 +143,7 @@ class AdmissionGate:
         self.max_queued = max(0, max_queued)
         if others_inflight is not None:
             self.others_inflight = dict(others_inflight)
+            self.occupancy.set(self.concurrency())
         self._wake()
 
     # ------------------------------------------------------------------ prediction
@@ -196,6 +199,8 @@ class AdmissionGate:
         the next predictions, and its prefill no longer delays anyone (the head may start now)."""
         if not t.prefilled and t.started_at:
             self.calibration.learn(t.model_id, self._clock() - t.started_at, t.first_at - t.started_at, t.ttft_scale)
+        if not t.prefilled:
+            t.decode_from = self.occupancy.read()
         t.prefilled = True
         self._wake()
 
@@ -451,6 +456,7 @@ class AdmissionGate:
 
     def release(self, t: Ticket) -> None:
         self.running.discard(t)
+        self.occupancy.set(self.concurrency())
         self._wake()
 
     def count(self, rejection: Rejection) -> Rejection:
@@ -466,6 +472,7 @@ class AdmissionGate:
         ahead_s = self._prefills_ahead_ms(now, t.model_id) / 1000
         t.first_at, t.finish_at = now + ahead_s + first_ms / 1000, now + ahead_s + last_ms / 1000
         self.running.add(t)
+        self.occupancy.set(self.concurrency())
         self.admitted += 1
 
     def _wake(self) -> None:

@@ -141,7 +141,9 @@ class AdmissionPolicy:
                 completion_tokens: int, total_ms: float, chunks: int = 0, reused_tokens: int = 0) -> None:
         """A finished request updates the service-time estimates of its model: its prefill is
         priced by the prompt tokens its engine computed (`reused_tokens` came from its prefix cache)."""
-        concurrency = (ticket.concurrency_at_start + self.gate.concurrency()) / 2
+        # Filed under what its decode ran beside; without a first token seen, its ends' mean.
+        during = self.gate.occupancy.mean_since(ticket.decode_from) if ticket.decode_from else None
+        concurrency = during or (ticket.concurrency_at_start + self.gate.concurrency()) / 2
         self.estimates[ticket.model_id].observe(
             prompt_tokens=max(1, ticket.prompt_tokens - reused_tokens), prefill_ms=prefill_ms, ttft_ms=ttft_ms,
             queue_ms=queue_ms,

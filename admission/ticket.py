@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from admission.occupancy import Reading
+
 
 @dataclass(eq=False)
 class Ticket:
@@ -25,6 +27,7 @@ class Ticket:
     first_at: float = 0.0  # predicted first token
     finish_at: float = 0.0  # predicted last token
     prefilled: bool = False  # its first token arrived: its prefill delays no one any more
+    decode_from: Reading | None = None  # the box's occupancy when its first token arrived
     max_wait: float | None = None  # seconds it may wait in the queue (its tier's max_queue_ms)
     tenant: str = ""  # whose share it counts against (the API key's tenant)
     cached_tokens: int = 0  # leading prompt tokens its model's prefix cache is expected to hold

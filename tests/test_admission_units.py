@@ -844,3 +844,36 @@ def test_prefix_memory_forgets_the_least_recent_blocks_past_its_bound():
     memory.remember("m", memory.keys(list(b) + [7, 7, 7, 7], None))  # 4 blocks known: a's first goes
     assert memory.cached_tokens("m", memory.keys(a, None)) == 0
     assert memory.cached_tokens("m", memory.keys(b + [7, 7, 7, 7], None)) == 8
+
+
+def test_a_decode_is_filed_under_the_concurrency_it_ran_beside_not_its_ends():
+    """A request that starts and ends on a quiet box but decodes through a burst of seven others
+    paid the burst's steps: filed under its ends' mean (one request), it priced one-at-a-time
+    as slow as eight at a time, and admission shed requests at low load."""
+    from admission.occupancy import Occupancy
+    from admission.policy import AdmissionPolicy
+    from admission.request import RequestContext
+
+    now = [1000.0]
+    policy = AdmissionPolicy(AdmissionConfig())
+    policy.gate._clock = lambda: now[0]
+    policy.gate.occupancy = Occupancy(lambda: now[0])
+    for level in policy.estimates["m"].itl, policy.estimates["m"].step:
+        level.clock = lambda: now[0]
+    ctx, tier = RequestContext("r1", "a", "standard", None), policy.config.tiers["standard"]
+    lone = policy.ticket("m", ctx, tier, list(range(10)), 101)
+    policy.gate._start(lone, now[0])
+    now[0] += 0.1
+    policy.gate.first_token(lone)
+    burst = [policy.ticket("m", ctx, tier, list(range(10)), 50) for _ in range(7)]
+    for t in burst:
+        policy.gate._start(t, now[0])
+    now[0] += 9.0  # the burst runs for 9 of the lone request's 10 s of decode
+    for t in burst:
+        policy.gate.release(t)
+    now[0] += 1.0
+    policy.observe(lone, ttft_ms=100.0, queue_ms=0.0, prefill_ms=50.0, completion_tokens=101, total_ms=10_100.0,
+                   chunks=100)
+    snapshot = policy.estimates["m"].itl.snapshot()
+    assert list(snapshot) == [8]  # 7.3 requests on the box on average, not the ends' 1
+    assert snapshot[8] == pytest.approx(100.0)
