@@ -88,9 +88,9 @@ def _stages(header: str) -> dict[str, float]:
     return out
 
 
-def _bystander_ttft(http: httpx.Client, question: str, stages: list | None = None) -> tuple[str, float | None]:
+def _bystander_ttft(http: httpx.Client, question: str, stages: list[dict] | None = None) -> tuple[str, float | None]:
     """(status, or status:code for an error; TTFT ms of a streamed answer). Its Server-Timing
-    stages are appended to `stages`."""
+    stages and its x-route header are appended to `stages`."""
     body = {"model": "auto", "messages": [{"role": "user", "content": question}], "max_tokens": 16, "stream": True}
     start = time.perf_counter()
     ttft = None
@@ -99,7 +99,7 @@ def _bystander_ttft(http: httpx.Client, question: str, stages: list | None = Non
             resp.read()
             return f"{resp.status_code}:{(resp.json().get('error') or {}).get('code')}", None
         if stages is not None:
-            stages.append(_stages(resp.headers.get("server-timing", "")))
+            stages.append({**_stages(resp.headers.get("server-timing", "")), "x-route": resp.headers.get("x-route", "")})
         for line in resp.iter_lines():
             if ttft is None and line.startswith("data: {") and '"content"' in line:
                 ttft = (time.perf_counter() - start) * 1000
@@ -115,7 +115,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def _idle_ttft(base: str, label: str, n: int = 8) -> tuple[float, dict[str, float | None]]:
     """The bystander's TTFT p50 (and its stages) on the service with nothing else running."""
-    stages: list[dict[str, float]] = []
+    stages: list[dict] = []
     with httpx.Client(base_url=base, timeout=120) as http:
         ttfts = [t for k in range(n) if (t := _bystander_ttft(http, f"Name an animal ({label} {k}).", stages)[1])]
     return statistics.median(ttfts), {k: _pct([st[k] for st in stages if k in st], 0.5) for k in STAGES}
@@ -131,7 +131,7 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
     charged = {"prompt_tokens": 0, "completion_tokens": 0}
     health_ms: list[float] = []
     ttfts: list[float] = []
-    stage_ms: list[dict[str, float]] = []
+    stage_ms: list[dict] = []  # each: Server-Timing stages (ms) and the x-route header
     sent = [0]
     lock = threading.Lock()
 
@@ -201,6 +201,7 @@ def _one_class(base: str, name: str, make: Callable[[int], tuple[str, dict, dict
         "bystander_idle_stage_ms_p50": idle_stages,
         "bystander_ttft_vs_idle": round(ttft_p50 / idle_ttft, 2) if ttft_p50 and idle_ttft else None,
         "bystander_stage_ms_p50": {k: _pct([st[k] for st in stage_ms if k in st], 0.5) for k in STAGES},
+        "bystander_routes": dict(Counter(st["x-route"] for st in stage_ms)),  # model;reason=why
         "health_ms": {"p50": _pct(health_ms, 0.5), "p99": _pct(health_ms, 0.99), "max": _pct(health_ms, 1.0),
                       "probes": len(health_ms)},
         "server_errors": fivexx,
