@@ -1,9 +1,13 @@
 """Fair share between tenants: how much of the service one API key may hold, and whose turn it
 is in the queue.
 
-While more than one tenant is active (seen within TENANT_ACTIVE_S), one holds at most `share`
-of the slots, of each model's seats (of this ingress replica's share of them) and of the
-queue, so another tenant's request always finds room; a tenant alone has all of it. The queue
+While more than one tenant is active (seen within TENANT_ACTIVE_S, on any ingress replica),
+one holds at most `share` of the slots, of each model's seats (of this ingress replica's share
+of them) and of the queue, so another tenant's request always finds room; a tenant alone has
+all of it. Activity is the fleet's: a client keeps its connection to one ingress replica, and
+judged by its own callers alone, the replica a flood's connections landed on saw one tenant,
+let it take every seat of a model, and the other tenant, on the other replica, waited for
+seats that never freed. The queue
 is served by a virtual token counter (VTC): the tenant served the fewest tokens goes next, and
 a tenant back from a pause starts level with the least-served tenant waiting, not with credit
 banked while it was away. Plain data, no asyncio: the gate (admission/gate.py) asks it.
@@ -18,6 +22,9 @@ from typing import Protocol
 
 # A tenant seen within this long counts as active: while another is, each is held to its share.
 TENANT_ACTIVE_S = 60.0
+# Tenants a replica reports as active here (the most recent): two are enough for every other
+# replica to know that someone other than any one tenant is active.
+REPORTED_TENANTS = 2
 MAX_TENANTS = 100_000  # counters kept; the least-served (idlest) go first past it
 
 
@@ -37,6 +44,7 @@ class TenantShares:
         self._clock = clock
         self._served: dict[str, float] = {}  # tenant -> tokens started (the virtual token counter)
         self._seen: dict[str, float] = {}  # tenant -> when it last asked for a slot
+        self.elsewhere: frozenset[str] = frozenset()  # active on the other ingress replicas (synced)
 
     @property
     def capped(self) -> bool:
@@ -53,9 +61,17 @@ class TenantShares:
             self._seen = {k: v for k, v in self._seen.items() if v >= now - TENANT_ACTIVE_S}
 
     def others_active(self, tenant: str) -> bool:
-        """Has another tenant asked for a slot within TENANT_ACTIVE_S?"""
+        """Has another tenant asked for a slot within TENANT_ACTIVE_S, here or elsewhere?"""
+        if any(other != tenant for other in self.elsewhere):
+            return True
         horizon = self._clock() - TENANT_ACTIVE_S
         return any(at >= horizon for other, at in self._seen.items() if other != tenant)
+
+    def active_here(self) -> tuple[str, ...]:
+        """The most recently active tenants of this replica, for the others (REPORTED_TENANTS)."""
+        horizon = self._clock() - TENANT_ACTIVE_S
+        recent = sorted(((at, t) for t, at in self._seen.items() if at >= horizon), reverse=True)
+        return tuple(t for _, t in recent[:REPORTED_TENANTS])
 
     def room(self, t: Holder, running: Iterable[Holder], max_inflight: int, seats: int | None) -> bool:
         """May `t`'s tenant start one more: under its share of the slots and of its model's
@@ -71,12 +87,14 @@ class TenantShares:
         """Does the tenant hold its share of the queue while another tenant is active?"""
         return self.capped and self.others_active(tenant) and queued >= self.cap(max_queued)
 
-    def crowded(self, t: Holder, running: Iterable[Holder], seats: int | None) -> bool:
-        """Do other tenants hold half or more of this replica's share of `t`'s model's seats?"""
-        if seats is None or not self.capped:
+    def crowded(self, t: Holder, running: Iterable[Holder], seats: int | None, elsewhere: int = 0) -> bool:
+        """While other tenants are active, do they hold half or more of `t`'s model's seats? Here
+        by tenant; `elsewhere`, the model's requests on the other ingress replicas (known only as
+        a count), counts as theirs: a flood's connections may all be on another replica."""
+        if seats is None or not self.capped or not self.others_active(t.tenant):
             return False
-        others = sum(1 for r in running if r.model_id == t.model_id and r.tenant != t.tenant)
-        return others >= max(1.0, seats * self.ingress_share / 2)
+        here = sum(1 for r in running if r.model_id == t.model_id and r.tenant != t.tenant)
+        return here + elsewhere >= max(1.0, seats / 2)
 
     def counter(self, tenant: str, waiting: set[str]) -> float:
         """A tenant's virtual counter, lifted to the least-served waiting tenant's if it fell

@@ -109,9 +109,9 @@ class AdmissionGate:
         return self.shares.room(t, self.running, self.max_inflight, self.seats.get(t.model_id))
 
     def crowded_by_others(self, t: Ticket) -> bool:
-        """Do other tenants hold half or more of this replica's share of `t`'s model's seats?
+        """Do other tenants hold half or more of `t`'s model's seats (admission/fair_share.py)?
         Then `t` would wait on their batched steps (a flood's long answers) at every token."""
-        return self.shares.crowded(t, self.running, self.seats.get(t.model_id))
+        return self.shares.crowded(t, self.running, self.seats.get(t.model_id), self.others_inflight.get(t.model_id, 0))
 
     def model_idle(self, model_id: str) -> bool:
         """Nothing runs on `model_id`, here or (as last synced) on the other ingress replicas."""
@@ -131,12 +131,17 @@ class AdmissionGate:
         mine = sum(1 for t in self.running if t.model_id == model_id)
         return mine + self.others_inflight.get(model_id, 0) < seats
 
-    def _seat_free_at(self, model_id: str, now: float) -> float:
-        """When a seat of `model_id` is expected to free up: the soonest of this ingress's own
-        requests on it to finish (the other ingresses' are known only as counts)."""
-        if self.seat_free(model_id):
+    def _seat_free_at(self, t: Ticket, now: float) -> float:
+        """When a seat of `t`'s model is expected to free up: the soonest of this ingress's own
+        requests on it to finish. Where the other ingresses hold every seat, their requests are
+        known only as counts: expect one to end as late as `t` itself would take, not now (which
+        kept `t` on a model whose seats a flood held for minutes, beside an idle one)."""
+        if self.seat_free(t.model_id):
             return now
-        return min((self._finish_estimate(r, now) for r in self.running if r.model_id == model_id), default=now)
+        mine = [self._finish_estimate(r, now) for r in self.running if r.model_id == t.model_id]
+        if mine:
+            return min(mine)
+        return now + self._service_ms(t, max(1, self.concurrency()))[1] / 1000
 
     def set_limits(self, max_inflight: int, max_queued: int, others_inflight: dict[str, int] | None = None) -> None:
         self.max_inflight = max(1, max_inflight)
@@ -274,7 +279,7 @@ class AdmissionGate:
             free = heapq.heappop(slots)
             heapq.heappush(slots, free + self._service_ms(q, c)[1] / 1000)
         start = slots[0] if (ahead or self.inflight >= self.max_inflight or not self._idle(t.model_id)) else now
-        start = max(start, self._seat_free_at(t.model_id, now))
+        start = max(start, self._seat_free_at(t, now))
         first_ms, last_ms = self._service_ms(t, c)
         pending_ms = self._prefills_ahead_ms(start, t.model_id)
         first_ms, last_ms = first_ms + pending_ms, last_ms + pending_ms

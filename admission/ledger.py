@@ -18,6 +18,7 @@ class ReplicaReport:
     rejected: int
     running_by_model: dict[str, int] = field(default_factory=dict)
     invalidation_seq: int = -1  # the cache invalidations this replica has applied (semantic_cache/invalidations.py)
+    active_tenants: tuple[str, ...] = ()  # its most recently active tenants (admission/fair_share.py)
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class AdmissionShare:
     others_inflight: dict[str, int] = field(default_factory=dict)  # the other replicas' running, by model
     replicas: dict[str, int] = field(default_factory=dict)  # RUNNING replicas by deployment name (the controller's last count)
     invalidations: Any = None  # cache invalidations since the report's invalidation_seq (Invalidations)
+    others_tenants: tuple[str, ...] = ()  # tenants active on the other replicas
 
 
 class AdmissionLedger:
@@ -44,15 +46,18 @@ class AdmissionLedger:
         self._seen = {rid: v for rid, v in self._seen.items() if v[0] >= horizon}
         live = len(self._seen)
         others: dict[str, int] = {}
+        tenants: set[str] = set()
         for rid, (_, r) in self._seen.items():
             if rid != replica_id:
                 for model, n in r.running_by_model.items():
                     others[model] = others.get(model, 0) + n
+                tenants.update(r.active_tenants)
         return AdmissionShare(
             max_inflight=max(1, math.ceil(self.config.max_inflight / live)),
             max_queued=math.ceil(self.config.max_queued / live),
             live_replicas=live,
             others_inflight=others,
+            others_tenants=tuple(sorted(tenants)),
         )
 
     def totals(self) -> dict[str, int]:

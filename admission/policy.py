@@ -170,7 +170,7 @@ class AdmissionPolicy:
 
     def synced(
         self, max_inflight: int, max_queued: int, others_inflight: dict[str, int], live_replicas: int,
-        replicas: dict[str, int] | None = None,
+        replicas: dict[str, int] | None = None, others_tenants: tuple[str, ...] = (),
     ) -> None:
         now = time.monotonic()
         if self.synced_at is not None:
@@ -178,6 +178,7 @@ class AdmissionPolicy:
         self.synced_at = now
         self.gate.set_limits(max_inflight, max_queued, others_inflight)
         self.gate.shares.ingress_share = 1.0 / max(1, live_replicas)
+        self.gate.shares.elsewhere = frozenset(others_tenants)
         self.limiter.share = 1.0 / max(1, live_replicas)
         if replicas:
             self.set_seats(self.seats_per_replica, replicas)

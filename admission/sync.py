@@ -31,7 +31,7 @@ class AdmissionSync:
         gate = self.policy.gate
         report = ReplicaReport(
             gate.inflight, gate.queued, gate.admitted, sum(gate.rejected.values()), gate.running_by_model(),
-            self.invalidation_seq,
+            self.invalidation_seq, gate.shares.active_here(),
         )
         share = await self._report(self.replica_id, report)
         if share.invalidations is not None:
@@ -39,7 +39,8 @@ class AdmissionSync:
                 self.on_invalidated(share.invalidations.tenants)
             self.invalidation_seq = share.invalidations.seq
         self.policy.synced(
-            share.max_inflight, share.max_queued, share.others_inflight, share.live_replicas, share.replicas
+            share.max_inflight, share.max_queued, share.others_inflight, share.live_replicas, share.replicas,
+            share.others_tenants,
         )
         self.last_share = share
         return share

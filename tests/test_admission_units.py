@@ -877,3 +877,81 @@ def test_a_decode_is_filed_under_the_concurrency_it_ran_beside_not_its_ends():
     snapshot = policy.estimates["m"].itl.snapshot()
     assert list(snapshot) == [8]  # 7.3 requests on the box on average, not the ends' 1
     assert snapshot[8] == pytest.approx(100.0)
+
+
+def test_a_tenant_active_on_another_ingress_replica_caps_a_flood_on_this_one():
+    """A client keeps its connection to one ingress replica. The flood's replica, judging by its
+    own callers, saw one tenant and let it take every seat; the other tenant, on the other
+    replica, waited for seats that never freed. Activity now crosses replicas through the
+    controller's ledger: the flood keeps to its share on its replica too."""
+    from admission.policy import AdmissionPolicy
+    from admission.sync import AdmissionSync
+
+    ledger = AdmissionLedger(AdmissionConfig(max_inflight=32, max_queued=8))
+    flooded, quiet = AdmissionPolicy(AdmissionConfig(max_inflight=32)), AdmissionPolicy(AdmissionConfig(max_inflight=32))
+    for policy in flooded, quiet:
+        policy.gate.seats = {"m": 16}
+
+    async def report(replica_id, r):
+        return ledger.report(replica_id, r)
+
+    async def main():
+        syncs = [AdmissionSync(p, report, rid, 1.0) for p, rid in ((flooded, "a"), (quiet, "b"))]
+        quiet.gate.seen(Ticket("m", "t", 0, 10, 20, tenant="B"))  # B asks on replica b only
+        for s in syncs * 2:
+            await s.sync_once()
+        assert flooded.gate.shares.elsewhere == {"B"} and quiet.gate.shares.elsewhere == frozenset()
+        for _ in range(6):  # 3/4 of this replica's half of the 16 seats
+            await flooded.gate.acquire(Ticket("m", "t", 0, 10, 20, tenant="A"))
+        assert not flooded.gate._tenant_room(Ticket("m", "t", 0, 10, 20, tenant="A"))
+
+    asyncio.run(main())
+    alone = AdmissionPolicy(AdmissionConfig(max_inflight=32))
+    alone.gate.seats = {"m": 16}
+    asyncio.run(_fill(alone.gate, 16, "A"))
+    assert alone.gate.inflight == 16  # without anyone else active anywhere, A has every seat
+
+
+async def _fill(gate: AdmissionGate, n: int, tenant: str) -> None:
+    for _ in range(n):
+        await gate.acquire(Ticket("m", "t", 0, 10, 20, tenant=tenant))
+
+
+def test_seats_held_by_other_replicas_are_not_predicted_free_now():
+    """Every seat of the small model is held by the other ingress replica's requests, known here
+    only as a count: a request for it is predicted to wait as long as it would take itself, so an
+    `auto` request moves to the idle large model (deadline_upgrade) instead of waiting there."""
+    from admission.model_choice import ModelChoice
+    from admission.policy import AdmissionPolicy
+
+    policy = AdmissionPolicy(AdmissionConfig())
+    gate = policy.gate
+    gate.seats = {"small": 16, "large": 8}
+    gate.set_limits(gate.max_inflight, gate.max_queued, {"small": 16})
+    now = time.monotonic()
+    small = Ticket("small", "interactive", 0, 10, 64, deadline=now + 60, ttft_deadline=now + 1.0)
+    large = Ticket("large", "interactive", 0, 10, 64, deadline=now + 60, ttft_deadline=now + 1.0)
+    assert gate.predicted(small).wait_ms > 100
+    choice = ModelChoice(gate, "large", "small").choose(small, large, downgrade=True)
+    assert (choice.ticket, choice.reason) == (large, "deadline_upgrade")
+
+
+def test_a_flood_on_another_ingress_replica_still_crowds_a_model():
+    """The flood's requests all run on the other ingress replica (its connections landed
+    there), known here only as a count: with another tenant active, B's auto chat still leaves
+    the crowded small model for the idle large one. A lone tenant's own load elsewhere is not a
+    crowd."""
+    from admission.model_choice import ModelChoice
+    from admission.policy import AdmissionPolicy
+
+    policy = AdmissionPolicy(AdmissionConfig())
+    gate = policy.gate
+    gate.seats = {"small": 16, "large": 8}
+    gate.set_limits(gate.max_inflight, gate.max_queued, {"small": 8})
+    choice = ModelChoice(gate, "large", "small")
+    b_small, b_large = Ticket("small", "standard", 0, 10, 16, tenant="B"), Ticket("large", "standard", 0, 10, 16, tenant="B")
+    gate.seen(b_small)
+    assert choice.choose(b_small, b_large, downgrade=True).reason is None  # B alone: no one else's crowd
+    gate.shares.elsewhere = frozenset({"A"})  # the controller's view: A is active on the other replica
+    moved = choice.choose(b_small, b_large, downgrade=True)
+    assert (moved.ticket, moved.reason) == (b_large, "tenant_crowded")
