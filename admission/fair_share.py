@@ -5,10 +5,10 @@ While more than one tenant is active (seen within TENANT_ACTIVE_S, on any ingres
 one holds at most `share` of the slots, of each model's seats (of this ingress replica's share
 of them) and of the queue, so another tenant's request always finds room; a tenant alone has
 all of it. Activity is the fleet's: a client keeps its connection to one ingress replica, and
-judged by its own callers alone, the replica a flood's connections landed on saw one tenant,
-let it take every seat of a model, and the other tenant, on the other replica, waited for
-seats that never freed. The queue
-is served by a virtual token counter (VTC): the tenant served the fewest tokens goes next, and
+judged by its own callers alone, the replica a flood's connections land on would see one
+tenant and let it take every seat of a model, while the other tenant, on the other replica,
+waits for seats that never free. The queue is served by a virtual token counter (VTC): the
+tenant served the fewest tokens goes next, and
 a tenant back from a pause starts level with the least-served tenant waiting, not with credit
 banked while it was away. Plain data, no asyncio: the gate (admission/gate.py) asks it.
 """
@@ -88,13 +88,14 @@ class TenantShares:
         return self.capped and self.others_active(tenant) and queued >= self.cap(max_queued)
 
     def crowded(self, t: Holder, running: Iterable[Holder], seats: int | None, elsewhere: int = 0) -> bool:
-        """While other tenants are active, do they hold half or more of `t`'s model's seats? Here
-        by tenant; `elsewhere`, the model's requests on the other ingress replicas (known only as
-        a count), counts as theirs: a flood's connections may all be on another replica."""
+        """While other tenants are active, do they hold half or more of this replica's share of
+        `t`'s model's seats, or of all of them counting `elsewhere` (the model's requests on the
+        other ingress replicas, known only as a count) as theirs? A flood's connections may all
+        be on another replica."""
         if seats is None or not self.capped or not self.others_active(t.tenant):
             return False
         here = sum(1 for r in running if r.model_id == t.model_id and r.tenant != t.tenant)
-        return here + elsewhere >= max(1.0, seats / 2)
+        return here >= max(1.0, seats * self.ingress_share / 2) or here + elsewhere >= max(1.0, seats / 2)
 
     def counter(self, tenant: str, waiting: set[str]) -> float:
         """A tenant's virtual counter, lifted to the least-served waiting tenant's if it fell

@@ -36,8 +36,8 @@ import time
 
 from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
-from admission.ticket import Prediction, Rejection, Ticket
 from admission.occupancy import Occupancy
+from admission.ticket import Prediction, Rejection, Ticket
 from admission.ttft_calibration import TtftCalibration
 
 INF = float("inf")
@@ -134,8 +134,8 @@ class AdmissionGate:
     def _seat_free_at(self, t: Ticket, now: float) -> float:
         """When a seat of `t`'s model is expected to free up: the soonest of this ingress's own
         requests on it to finish. Where the other ingresses hold every seat, their requests are
-        known only as counts: expect one to end as late as `t` itself would take, not now (which
-        kept `t` on a model whose seats a flood held for minutes, beside an idle one)."""
+        known only as counts: expect one to end as late as `t` itself would take. Expected now,
+        `t` would stay on a model whose seats a flood holds for minutes, beside an idle one."""
         if self.seat_free(t.model_id):
             return now
         mine = [self._finish_estimate(r, now) for r in self.running if r.model_id == t.model_id]

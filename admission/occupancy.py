@@ -1,10 +1,10 @@
 """How many requests the box held, integrated over time.
 
 A request's decode cost is filed under the concurrency it ran at. Taken as the average of the
-counts at its start and at its end, a request that started and ended at the edges of a burst
-was filed under the burst's quiet edges while its steps were paid in the middle of it: a low
-level then read as slow as a high one, and admission shed requests at that level that would
-have made their deadlines. The time average over its decode is what its steps saw.
+counts at its start and at its end, a request that starts and ends at the edges of a burst
+would be filed under the burst's quiet edges while its steps are paid in the middle of it: a
+low level would read as slow as a high one, and admission would shed requests at that level
+that would make their deadlines. The time average over its decode is what its steps saw.
 """
 
 from __future__ import annotations
