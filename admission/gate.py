@@ -33,6 +33,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import Counter
 
 from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
@@ -44,7 +45,6 @@ INF = float("inf")
 # A request is queued only if it is predicted to make its deadline with this much to spare;
 # otherwise it is shed at once. A queued request that is dropped later has waited for nothing.
 QUEUE_HEADROOM = 1.25
-
 
 
 class AdmissionGate:
@@ -93,17 +93,10 @@ class AdmissionGate:
         return sum(1 for *_, w in self._queue if not w.done())
 
     def running_by_model(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for t in self.running:
-            out[t.model_id] = out.get(t.model_id, 0) + 1
-        return out
+        return dict(Counter(t.model_id for t in self.running))
 
     def queued_by_model(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for *_, t, waiter in self._queue:
-            if not waiter.done():
-                out[t.model_id] = out.get(t.model_id, 0) + 1
-        return out
+        return dict(Counter(t.model_id for *_, t, waiter in self._queue if not waiter.done()))
 
     def _tenant_room(self, t: Ticket) -> bool:
         return self.shares.room(t, self.running, self.max_inflight, self.seats.get(t.model_id))
@@ -115,7 +108,7 @@ class AdmissionGate:
 
     def model_idle(self, model_id: str) -> bool:
         """Nothing runs on `model_id`, here or (as last synced) on the other ingress replicas."""
-        return self._idle(model_id)
+        return not any(t.model_id == model_id for t in self.running) and not self.others_inflight.get(model_id)
 
     def _waiting_tenants(self) -> set[str]:
         return {q.tenant for *_, q, w in self._queue if not w.done()}
@@ -133,15 +126,13 @@ class AdmissionGate:
 
     def _seat_free_at(self, t: Ticket, now: float) -> float:
         """When a seat of `t`'s model is expected to free up: the soonest of this ingress's own
-        requests on it to finish. Where the other ingresses hold every seat, their requests are
-        known only as counts: expect one to end as late as `t` itself would take. Expected now,
-        `t` would stay on a model whose seats a flood holds for minutes, beside an idle one."""
+        requests on it to finish. Where the other ingresses hold every seat (known only as
+        counts), as late as `t` itself would take: expected now, `t` would stay on a model whose
+        seats a flood holds for minutes, beside an idle one."""
         if self.seat_free(t.model_id):
             return now
         mine = [self._finish_estimate(r, now) for r in self.running if r.model_id == t.model_id]
-        if mine:
-            return min(mine)
-        return now + self._service_ms(t, max(1, self.concurrency()))[1] / 1000
+        return min(mine) if mine else now + self._service_ms(t, max(1, self.concurrency()))[1] / 1000
 
     def set_limits(self, max_inflight: int, max_queued: int, others_inflight: dict[str, int] | None = None) -> None:
         self.max_inflight = max(1, max_inflight)
@@ -159,7 +150,7 @@ class AdmissionGate:
         itl = est.itl_ms(concurrency)
         # The engine finishes the step in progress before it prefills a new sequence: a batched
         # decode step, or a lone request's whole speculative round.
-        step = est.step_ms(concurrency - 1) if concurrency > 1 and not self._idle(t.model_id) else 0.0
+        step = est.step_ms(concurrency - 1) if concurrency > 1 and not self.model_idle(t.model_id) else 0.0
         # The first token is calibrated (`bias`, and the tail margin in `_first_in_time`); the
         # decode after it is not, so it alone carries `safety`: on both, first tokens would come
         # early at the median; on neither, admitted requests under overload would finish past
@@ -202,9 +193,9 @@ class AdmissionGate:
     def first_token(self, t: Ticket) -> None:
         """The ticket's first token arrived: how long it took against the prediction calibrates
         the next predictions, and its prefill no longer delays anyone (the head may start now)."""
-        if not t.prefilled and t.started_at:
-            self.calibration.learn(t.model_id, self._clock() - t.started_at, t.first_at - t.started_at, t.ttft_scale)
         if not t.prefilled:
+            if t.started_at:
+                self.calibration.learn(t.model_id, self._clock() - t.started_at, t.first_at - t.started_at, t.ttft_scale)
             t.decode_from = self.occupancy.read()
         t.prefilled = True
         self._wake()
@@ -246,9 +237,6 @@ class AdmissionGate:
                 return False
         return True
 
-    def _idle(self, model_id: str) -> bool:
-        return not any(t.model_id == model_id for t in self.running) and not self.others_inflight.get(model_id)
-
     def _idle_takes(self, t: Ticket, now: float) -> bool:
         """An idle box takes any request: nothing else is slowed, and turning it away helps
         no one (a prompt too long for the TTFT target would get 503s forever). An idle model on
@@ -258,7 +246,7 @@ class AdmissionGate:
         their per-token targets. Either way, a request whose first token could not even arrive
         before its end-to-end deadline is shed: it is hopeless."""
         idle_box = self.concurrency() == 0
-        if not idle_box and not self._idle(t.model_id):
+        if not idle_box and not self.model_idle(t.model_id):
             return False
         if self.estimates[t.model_id].itl.levels == {}:
             return True  # nothing observed yet: try it, and learn
@@ -278,7 +266,7 @@ class AdmissionGate:
         for q in ahead:
             free = heapq.heappop(slots)
             heapq.heappush(slots, free + self._service_ms(q, c)[1] / 1000)
-        start = slots[0] if (ahead or self.inflight >= self.max_inflight or not self._idle(t.model_id)) else now
+        start = slots[0] if (ahead or self.inflight >= self.max_inflight or not self.model_idle(t.model_id)) else now
         start = max(start, self._seat_free_at(t, now))
         first_ms, last_ms = self._service_ms(t, c)
         pending_ms = self._prefills_ahead_ms(start, t.model_id)
