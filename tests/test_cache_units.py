@@ -465,3 +465,18 @@ def test_cache_key_covers_tool_calls_ids_and_names():
     assert base != key(convo(call_id="call_2"))
     assert base != key(convo(answers="call_9"))
     assert base != key(convo(name="alice"))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="Linux scheduling classes")
+def test_bulk_embeddings_run_below_the_models_and_give_the_same_vectors(embedder):
+    """/v1/embeddings' thread (the sibling) is SCHED_IDLE, so a bulk job takes only the cycles
+    the models leave; the thread that embeds a request's text for the cache is not."""
+    import os
+
+    import numpy as np
+
+    bulk = embedder.sibling()
+    assert bulk._executor.submit(os.sched_getscheduler, 0).result() == os.SCHED_IDLE
+    assert embedder._executor.submit(os.sched_getscheduler, 0).result() != os.SCHED_IDLE
+    texts = ["How do I sort a list in Python?", "ok"]
+    assert np.allclose(bulk.embed_many(texts), embedder.embed_many(texts), atol=1e-6)
