@@ -336,7 +336,7 @@ class AdmissionGate:
         if self.queued >= self.max_queued:
             return self.reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
         if self.shares.queue_full(t.tenant, self._queued_of(t.tenant), self.max_queued):
-            return self.reject("queue_full", "this API key's share of the queue is full", t, len(ahead))
+            return self.reject("queue_full", "this API key's share of the queue is full", t, len(ahead), tenant_limit=True)
         predicted = self.predict(t, ahead, now)
         if not self._meets(t, predicted, now):
             return self.reject(
@@ -490,9 +490,9 @@ class AdmissionGate:
         heapq.heapify(self._queue)
 
     def reject(self, reason: str, message: str, t: Ticket, ahead: int, predicted: Prediction | None = None,
-                waited_ms: float = 0.0) -> Rejection:
+               waited_ms: float = 0.0, tenant_limit: bool = False) -> Rejection:
         now = self._clock()
         # Retry when the earliest running request is predicted to finish.
         soonest = min((r.finish_at for r in self.running), default=now)
         retry = max(self.retry_after_s, math.ceil(max(0.0, soonest - now)))
-        return Rejection(reason, message, retry, ahead, waited_ms, predicted)
+        return Rejection(reason, message, retry, ahead, waited_ms, predicted, tenant_limit)

@@ -214,7 +214,8 @@ def _shed(ticket: Ticket, rej: Rejection) -> AdmissionError:
         extra["ttft_deadline_ms"] = round((ticket.ttft_deadline - ticket.arrived) * 1000)
     if rej.predicted is not None:
         extra["predicted"] = rej.predicted.as_dict()
-    return AdmissionError("shed", rej.message, rej.reason, retry_after_s=rej.retry_after_s, details=extra)
+    return AdmissionError("shed", rej.message, rej.reason, retry_after_s=rej.retry_after_s, details=extra,
+                          tenant_limit=rej.tenant_limit)
 
 
 def _over_limit(over: OverLimit, ctx: RequestContext) -> AdmissionError:
@@ -224,4 +225,5 @@ def _over_limit(over: OverLimit, ctx: RequestContext) -> AdmissionError:
         f"rate_limit_{over.limit}",
         retry_after_s=over.retry_after_s,
         details={"limit": over.limit, "rate_per_s": over.rate, "retry_after_s": over.retry_after_s, "tier": ctx.tier},
+        tenant_limit=True,
     )

@@ -64,3 +64,4 @@ class Rejection(Exception):
     queued_ahead: int
     waited_ms: float = 0.0
     predicted: Prediction | None = None
+    tenant_limit: bool = False  # refused for its tenant's share, not for the service's load

@@ -313,6 +313,12 @@ class IngressConfig(_Strict):
         "delays no one)",
     )
     request_timeout_s: float = Field(300.0, gt=0, description="ceiling for a request without a deadline")
+    over_limit_hold_s: float = Field(
+        1.0, ge=0, le=10,
+        description="a refusal for the tenant's own limit (429 over its rate, 503 over its share of the queue) is "
+        "sent after up to this long, taken out of its Retry-After: a client that retries without pausing gets "
+        "one refusal a hold per connection instead of hundreds a second; 0: at once",
+    )
     body_timeout_s: float = Field(30.0, gt=0, description="the whole request body must arrive within this (408)")
     warmup_wait_s: float = Field(
         30.0, ge=0, description="a request that arrives before every stage is warm waits this long for it, "

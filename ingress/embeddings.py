@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from admission.errors import AdmissionError
 from ingress.context import context_from_headers
 from ingress.errors import APIError, bad_request, from_admission
+from ingress.pacing import paced
 
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 DIMENSIONS = 384  # its vectors' length
@@ -133,7 +134,9 @@ class EmbeddingsService:
                 response(np.concatenate(parts), req.encoding_format, sum(counts))
             ))
         except (APIError, AdmissionError) as raised:
-            return (from_admission(raised) if isinstance(raised, AdmissionError) else raised).response()
+            if isinstance(raised, AdmissionError):
+                return from_admission(await paced(raised, self.args.ingress.over_limit_hold_s)).response()
+            return raised.response()
         except ClientDisconnect:
             return Response(status_code=499)
 

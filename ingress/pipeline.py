@@ -49,6 +49,7 @@ from ingress.embeddings import EmbeddingsService
 from ingress.errors import APIError, bad_request, from_admission
 from ingress.inflight import InFlight
 from ingress.model_calls import Call, ModelCalls, ModelStream, ReplicaFailed
+from ingress.pacing import paced
 from ingress.placement import Admitted, Placement
 from ingress.prepare import INLINE_TOKENIZE_CHARS, Prepared, Preparer, grammar_cost
 from ingress.prompts import PromptBuilder
@@ -155,6 +156,8 @@ class Pipeline:
             response = await (self.serve(p, rec) if n == 1 else self._choices(p, rec, n))
             return response
         except (APIError, AdmissionError) as raised:
+            if isinstance(raised, AdmissionError):
+                raised = await paced(raised, self.args.ingress.over_limit_hold_s)
             err = from_admission(raised) if isinstance(raised, AdmissionError) else raised
             shed = err.code if err.code in SHED_REASONS else None
             response = err.response()

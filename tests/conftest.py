@@ -37,6 +37,8 @@ TEST_BODY_TIMEOUT_S = 2.0
 LIMITED_KEY = "sk-limited-tenant"
 # One request, then 429s: test_observability's way to make one shed without loading the box.
 ONE_SHOT_KEY = "sk-one-request-tenant"
+# The same limits, for tests/test_hostile.py's client that retries its 429s without pausing.
+RETRYING_KEY = "sk-retrying-tenant"
 DOWNGRADE_TIER = "downgradable"
 # Admin keys: DELETE /v1/cache, and the engine's inner counts (prefix tokens reused) in Server-Timing.
 ADMIN_KEY = "sk-admin-test"
@@ -168,9 +170,10 @@ def service(serve_file, otlp_sink):
         args.admission.tenants[tenant_from_headers({"authorization": f"Bearer {LIMITED_KEY}"})] = TenantLimits(
             tier="batch", allowed_tiers=["batch"], requests_per_s=0.05, request_burst=2
         )
-        args.admission.tenants[tenant_from_headers({"authorization": f"Bearer {ONE_SHOT_KEY}"})] = TenantLimits(
-            requests_per_s=0.001, request_burst=1
-        )
+        for key in (ONE_SHOT_KEY, RETRYING_KEY):
+            args.admission.tenants[tenant_from_headers({"authorization": f"Bearer {key}"})] = TenantLimits(
+                requests_per_s=0.001, request_burst=1
+            )
 
     def one_ingress(options):
         # The tight admission limits above are one gate's: two ingress replicas would split

@@ -629,6 +629,8 @@ def test_one_tenants_flood_never_gets_another_tenants_modest_request_shed():
         await asyncio.sleep(0)
         assert sum(1 for r in gate.running if r.tenant == "A") == 6, "A holds 3/4 of the 8 seats, not all"
         assert gate.queued == 48, "and 3/4 of the queue"
+        over = gate.check(Ticket("m", "standard", 0, 50, 512, deadline=86_400.0, arrived=0.0, tenant="A"))
+        assert over is not None and over.reason == "queue_full" and over.tenant_limit, "refused for its own share"
         modest = Ticket("m", "standard", 0, 20, 32, deadline=60.0, arrived=0.0, tenant="B")
         assert gate.check(modest) is None
         await gate.acquire(modest)

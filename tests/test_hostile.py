@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from telemetry.clock import server_timing_count
-from tests.conftest import ADMIN_KEY, TRIMMED_TIER, assert_greedy_agrees
+from tests.conftest import ADMIN_KEY, RETRYING_KEY, TRIMMED_TIER, assert_greedy_agrees
 from tests.test_serving import NO_CACHE, SMALL, TARGET, _error, _post
 
 # The worst /health answer allowed while an attack runs: a stalled event loop shows here. Wide,
@@ -359,3 +359,27 @@ def test_embeddings_are_bounded_per_request(service):
     assert resp.json()["error"]["param"] == "input"
     ok = _post(service, json.dumps({"model": "all-MiniLM-L6-v2", "input": ["a short text"] * 8}), "/v1/embeddings")
     assert ok.status_code == 200 and len(ok.json()["data"]) == 8
+
+
+def test_a_client_retrying_its_429s_without_pause_is_paced(service):
+    """A tenant over its rate that retries at once, on one connection, gets its 429s a hold
+    apart (`ingress.over_limit_hold_s`), each in OpenAI's shape with a Retry-After shortened by
+    the hold, instead of hundreds a second; other tenants are answered meanwhile."""
+    hold_s = service.config.args.ingress.over_limit_hold_s
+    assert hold_s >= 0.5
+    headers = {"authorization": f"Bearer {RETRYING_KEY}", "content-type": "application/json", **NO_CACHE}
+    codes: list[tuple[int, str | None, str | None]] = []
+    stop = time.monotonic() + 3 * hold_s
+    with httpx.Client(base_url=service.base_url, timeout=30) as http:
+        while time.monotonic() < stop:
+            resp = http.post("/v1/chat/completions", content=_chat("hi", max_tokens=1), headers=headers)
+            codes.append((resp.status_code, resp.json().get("error", {}).get("code") if resp.status_code != 200 else None,
+                          resp.headers.get("retry-after")))
+            if len(codes) > 50:
+                break
+    refused = [c for c in codes if c[0] != 200]
+    assert refused and all(status == 429 and code == "rate_limit_requests" for status, code, _ in refused), codes
+    assert len(codes) <= 5, f"{len(codes)} answers in {3 * hold_s:.1f} s: the 429s were not paced"
+    assert all(after is not None and int(after) >= 0 for *_, after in refused)
+    other = _post(service, _chat("still there?"))
+    assert other.status_code == 200, other.text

@@ -190,3 +190,30 @@ def test_a_prefill_that_waited_for_another_engines_pass_counts_the_wait_as_queue
     alone = Call("m", None, None)
     ModelCalls.first(None, alone, GenerateChunk("a", 1, timings_ms={"engine_queue": 5.0, "prefill": 100.0}))
     assert alone.prefill_ms == 100.0 and alone.engine_queue_ms == 5.0
+
+
+def test_a_refusal_for_the_tenants_own_limit_is_held_and_a_load_shed_is_not():
+    """ingress/pacing.py: a 503 for the tenant's share of the queue (as a 429 over its rate) goes
+    out after the hold, its Retry-After shortened by it; a shed for the service's load at once."""
+    import time
+
+    from admission.errors import AdmissionError
+    from ingress.pacing import paced
+
+    async def timed(err: AdmissionError, hold_s: float) -> tuple[AdmissionError, float]:
+        start = time.monotonic()
+        out = await paced(err, hold_s)
+        return out, time.monotonic() - start
+
+    own = AdmissionError("shed", "share full", "queue_full", retry_after_s=3, details={"tier": "standard"},
+                         tenant_limit=True)
+    held, took = asyncio.run(timed(own, 0.2))
+    assert 0.18 <= took < 1.0 and held.retry_after_s == 3 and held.code == "queue_full" and held.tenant_limit
+    rate = AdmissionError("over_rate", "over", "rate_limit_requests", retry_after_s=1, details={"retry_after_s": 1},
+                          tenant_limit=True)
+    held, took = asyncio.run(timed(rate, 5.0))
+    assert 0.9 <= took < 2.0, "held no longer than its Retry-After"
+    assert held.retry_after_s == 0 and held.details["retry_after_s"] == 0
+    load = AdmissionError("shed", "at capacity", "queue_full", retry_after_s=2)
+    same, took = asyncio.run(timed(load, 5.0))
+    assert same is load and took < 0.05

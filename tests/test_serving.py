@@ -554,9 +554,10 @@ def test_unknown_tier_is_a_400_and_tenant_limits_are_429_with_retry_after(servic
     start = time.monotonic()
     with pytest.raises(openai.RateLimitError) as over:
         limited.chat.completions.create(model=TARGET, messages=QUESTION, max_tokens=2, extra_headers=NO_CACHE)
-    assert time.monotonic() - start < 1
+    hold_s = service.config.args.ingress.over_limit_hold_s  # a 429 is held this long (tests/test_hostile.py)
+    assert hold_s * 0.9 <= time.monotonic() - start < hold_s + 2
     assert over.value.code == "rate_limit_requests"
-    assert int(over.value.response.headers["retry-after"]) >= 1
+    assert int(over.value.response.headers["retry-after"]) >= 1  # 20 s to its next request, less the hold
     assert over.value.body["rate_per_s"] == 0.05
     # Other tenants are not affected.
     assert service.openai().chat.completions.create(model=TARGET, messages=QUESTION, max_tokens=2,
