@@ -181,7 +181,9 @@ class ModelEstimates:
 
     def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
                 completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,
-                start_concurrency: float | None = None, chunks: int = 0) -> None:
+                start_concurrency: float | None = None, chunks: int = 0, cut_short: bool = False) -> None:
+        """One request's service times. `cut_short`: its client left mid-answer, so its length says
+        nothing of the model's (output fraction untouched), while its steps so far were real."""
         if prefill_ms is not None and prompt_tokens > 0:
             level = start_concurrency or concurrency
             if level <= LIGHT_CONCURRENCY:
@@ -189,7 +191,7 @@ class ModelEstimates:
             fixed = min(self.prefill_fixed_ms(), prefill_ms)
             self.prefill_ms_per_token.add(level, (prefill_ms - fixed) / prompt_tokens)
             self.overhead_ms.add(max(0.0, ttft_ms - queue_ms - prefill_ms))
-        if max_tokens > 0:
+        if max_tokens > 0 and not cut_short:
             self.output_fraction.add(min(1.0, completion_tokens / max_tokens))
         if completion_tokens > 1 and decode_ms > 0:
             self.itl.add(concurrency, decode_ms / (completion_tokens - 1))

@@ -83,6 +83,13 @@ class TenantShares:
             return False
         return seats is None or sum(1 for r in mine if r.model_id == t.model_id) < self.cap(seats * self.ingress_share)
 
+    def first_of(self, t: Holder, running: Iterable[Holder]) -> bool:
+        """Would `t` be its tenant's only request running here, while another tenant is active?
+        Past the knee (a per-token target the box can't keep with one more sequence) it starts
+        all the same: the knee another tenant's flood reached is no reason for this one to wait
+        for that flood to end."""
+        return self.others_active(t.tenant) and not any(r.tenant == t.tenant for r in running)
+
     def queue_full(self, tenant: str, queued: int, max_queued: int) -> bool:
         """Does the tenant hold its share of the queue while another tenant is active?"""
         return self.capped and self.others_active(tenant) and queued >= self.cap(max_queued)

@@ -8,7 +8,7 @@ who is queued ahead, the fleet's load from the controller) and online service-ti
                    the requests already running still meet theirs with one more sequence
                    sharing the model's decode steps; with a per-token target (`tpot_ms`), the
                    predicted time between tokens at one more sequence is within it, for it
-                   and for every running request;
+                   and every running request (or it is its tenant's first, as others run);
     queue          it can't start now but is predicted to make it if it starts when the
                    running requests ahead of it finish; waits in (priority, deadline) order
                    (EDF within a tier), and is dropped the moment its latest useful start
@@ -210,7 +210,7 @@ class AdmissionGate:
             return False
         if t.deadline is not None and now + last_ms / 1000 > t.deadline:
             return False
-        if not self._paced(t, c):
+        if not self._paced(t, c) and not self.shares.first_of(t, self.running):
             return False
         stall = first_ms / 1000  # its prefill holds up the others' decode steps
         for r in self.running:

@@ -138,9 +138,11 @@ class AdmissionPolicy:
         self.prefixes.remember(ticket.model_id, ticket.prefix_keys)
 
     def observe(self, ticket: Ticket, *, ttft_ms: float, queue_ms: float, prefill_ms: float | None,
-                completion_tokens: int, total_ms: float, chunks: int = 0, reused_tokens: int = 0) -> None:
-        """A finished request updates the service-time estimates of its model: its prefill is
-        priced by the prompt tokens its engine computed (`reused_tokens` came from its prefix cache)."""
+                completion_tokens: int, total_ms: float, chunks: int = 0, reused_tokens: int = 0,
+                cut_short: bool = False) -> None:
+        """A finished request, or one its client left mid-answer (`cut_short`), updates the
+        service-time estimates of its model: its prefill is priced by the prompt tokens its engine
+        computed (`reused_tokens` came from its prefix cache)."""
         # Filed under what its decode ran beside; without a first token seen, its ends' mean.
         during = self.gate.occupancy.mean_since(ticket.decode_from) if ticket.decode_from else None
         concurrency = during or (ticket.concurrency_at_start + self.gate.concurrency()) / 2
@@ -148,7 +150,7 @@ class AdmissionPolicy:
             prompt_tokens=max(1, ticket.prompt_tokens - reused_tokens), prefill_ms=prefill_ms, ttft_ms=ttft_ms,
             queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
-            concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks,
+            concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks, cut_short=cut_short,
         )
 
     def seed_prefill(self, model_id: str, fixed_ms: float, per_token_ms: float) -> None:

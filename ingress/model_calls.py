@@ -64,6 +64,8 @@ class Call:
     prefill_ms: float | None = None  # ... and its prefill
     reused_tokens: int = 0  # ... and the prompt tokens its prefix cache held
     first_at: float = 0.0  # perf_counter() at its first chunk
+    last: GenerateChunk | None = None  # its latest chunk after the first...
+    last_at: float = 0.0  # ... and perf_counter() when it came
 
     def cancel(self) -> None:
         if self.stream is not None:
@@ -142,6 +144,7 @@ class ModelCalls:
     def token_gap(self, call: Call, chunk: GenerateChunk, last_at: float) -> float:
         """Inter-token latency of a chunk, as the ingress saw it arrive; returns its arrival."""
         now = time.perf_counter()
+        call.last, call.last_at = chunk, now
         if chunk.num_tokens:
             call.decode_chunks += 1
         if self.metrics is not None and chunk.num_tokens:

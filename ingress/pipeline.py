@@ -231,7 +231,9 @@ class Pipeline:
                 return self._hit(p, rec, found)
             first = await self._first_token(p, rec, f)
             return await self.responder.generated(p, rec, admitted, cache, f.call, first)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):  # the client left mid-answer
+                self.responder.learn_cut_short(f.admitted, f.call)
             f.abandon()
             raise
 

@@ -161,6 +161,8 @@ class Responder:
             admitted.permit.release()
             if not finished:
                 call.cancel()  # the client left: stop the model within one step
+                if not failed:
+                    self.learn_cut_short(admitted, call)
             # 200 went out with the headers; a stream cut short is a 503 (backend) or 499 (client gone).
             self.accounting.ended(rec, chunk if finished else None, 200 if finished else 503 if failed else 499)
 
@@ -172,21 +174,29 @@ class Responder:
         admitted.permit.release()
         self.cache.store(p, cache, call.model_id, text, last, shared=call.coalesced)
 
-    def _learn(self, admitted: Admitted, call: Call, last: GenerateChunk) -> None:
+    def learn_cut_short(self, admitted: Admitted | None, call: Call | None) -> None:
+        """An answer its client left mid-way still measured the model's steps so far: under a
+        flood of long answers whose clients give up, no other request finishes to teach admission
+        the speed at that load."""
+        if admitted is not None and call is not None and call.last is not None and call.first_at:
+            self._learn(admitted, call, call.last, cut_short=True)
+
+    def _learn(self, admitted: Admitted, call: Call, last: GenerateChunk, cut_short: bool = False) -> None:
         """A complete answer teaches admission how long this model takes (coalesced followers
         and fifo requests don't: they measure someone else's generation, or no slot)."""
         if admitted.ticket is None or call.coalesced or call.retried:
             return
-        now = time.perf_counter()
+        end = call.last_at if cut_short else time.perf_counter()  # cut short: up to its last chunk
         self.admission.observe(
             admitted.ticket,
             ttft_ms=(call.first_at - admitted.at) * 1000,
             queue_ms=call.engine_queue_ms,
             prefill_ms=call.prefill_ms,
             completion_tokens=last.completion_tokens,
-            total_ms=(now - admitted.at) * 1000,
+            total_ms=(end - admitted.at) * 1000,
             chunks=call.decode_chunks,
             reused_tokens=call.reused_tokens,
+            cut_short=cut_short,
         )
 
 

@@ -957,3 +957,36 @@ def test_a_flood_on_another_ingress_replica_still_crowds_a_model():
     gate.shares.elsewhere = frozenset({"A"})  # the controller's view: A is active on the other replica
     moved = choice.choose(b_small, b_large, downgrade=True)
     assert (moved.ticket, moved.reason) == (b_large, "tenant_crowded")
+
+
+def test_past_the_knee_a_tenants_first_request_starts_beside_another_tenants_flood():
+    """The other ingress replica's flood holds ten of the model's seats; this replica has seen no
+    completion at that load, so its time between tokens there is the prior's pessimistic guess,
+    past the chat's 200 ms per-token target. The knee rule held every request here, the quiet
+    tenant's included, until the flood ended: its chat waited in the queue for a minute and was
+    dropped. Its first request now starts; its second waits its turn, and a tenant alone on the
+    service still keeps to the knee."""
+    def gate_beside_flood(flood_elsewhere: bool) -> AdmissionGate:
+        gate = AdmissionGate(16, 8, 1, ServiceEstimates(60.0, 0.5), safety=1.1, tenant_share=0.75)
+        gate.seats = {"m": 16}
+        gate.others_inflight = {"m": 10}
+        gate.shares.ingress_share = 0.5
+        if flood_elsewhere:
+            gate.shares.elsewhere = frozenset({"A"})
+        return gate
+
+    def chat() -> Ticket:
+        return Ticket("m", "standard", 0, 30, 16, deadline=time.monotonic() + 60, tpot_ms=200, tenant="B")
+
+    async def main():
+        gate = gate_beside_flood(True)
+        assert not gate._paced(chat(), gate.concurrency() + 1), "the premise: past the knee"
+        first = chat()
+        await asyncio.wait_for(gate.acquire(first), 1)
+        assert first in gate.running, "started at once"
+        second = chat()
+        assert not gate._can_start(second, [], time.monotonic()), "one past the knee per tenant, not more"
+        alone = gate_beside_flood(False)
+        assert not alone._can_start(chat(), [], time.monotonic()), "one tenant alone: the knee holds"
+
+    asyncio.run(main())
