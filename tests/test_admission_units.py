@@ -990,3 +990,17 @@ def test_past_the_knee_a_tenants_first_request_starts_beside_another_tenants_flo
         assert not alone._can_start(chat(), [], time.monotonic()), "one tenant alone: the knee holds"
 
     asyncio.run(main())
+
+
+def test_an_answer_cut_short_teaches_its_steps_not_its_length():
+    """A client that left mid-answer measured the model's steps at that load (a flood whose
+    clients all give up finishes nothing else to learn from), but not how long answers run."""
+    est = ServiceEstimates(60.0, 0.5)["m"]
+    for _ in range(3):
+        est.observe(prompt_tokens=30, prefill_ms=40.0, ttft_ms=50.0, queue_ms=1.0, completion_tokens=100,
+                    max_tokens=100, decode_ms=990.0, concurrency=1)
+    assert est.output_fraction.value == pytest.approx(1.0) and est.itl_ms(1) == pytest.approx(10.0)
+    est.observe(prompt_tokens=30, prefill_ms=40.0, ttft_ms=50.0, queue_ms=1.0, completion_tokens=41,
+                max_tokens=512, decode_ms=3200.0, concurrency=8, cut_short=True)
+    assert est.itl_ms(8) == pytest.approx(80.0), "its steps at level 8 are filed"
+    assert est.output_fraction.value == pytest.approx(1.0), "41 of 512 tokens says nothing of its length"
