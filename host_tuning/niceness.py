@@ -19,6 +19,20 @@ def set_niceness(level: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
+def below_everything() -> None:
+    """Put this thread under SCHED_IDLE, the kernel's lowest weight, below any niceness: it
+    runs on the cycles every other thread leaves (a core nobody else wants runs it at full
+    speed). Still scheduled at a small share, so a lock it holds when preempted comes back
+    within the scheduler's period. Niceness 19 where SCHED_IDLE is not available."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only, on Linux
+    except (AttributeError, OSError):
+        try:
+            set_niceness(19)
+        except (AttributeError, OSError):
+            pass
+
+
 def set_process_niceness(level: int) -> int | None:
     """Set every thread of this process to `level`, lower than Ray's 15 included, so the
     request path's small, latency-critical work (parse, tokenize, an embedding, relaying

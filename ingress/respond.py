@@ -178,7 +178,7 @@ class Responder:
         """An answer its client left mid-way still measured the model's steps so far: under a
         flood of long answers whose clients give up, no other request finishes to teach admission
         the speed at that load."""
-        if admitted is not None and call is not None and call.last is not None and call.first_at:
+        if admitted is not None and call is not None and call.last is not None:
             self._learn(admitted, call, call.last, cut_short=True)
 
     def _learn(self, admitted: Admitted, call: Call, last: GenerateChunk, cut_short: bool = False) -> None:

@@ -200,25 +200,16 @@ class Embedder:
 
 
 def _background() -> None:
-    """This thread runs bulk work: one torch thread under SCHED_IDLE, the kernel's lowest
-    weight, below the models' compute at niceness 19, so a bulk job runs on the cycles the
-    models and the request path leave. At niceness 19 it took an equal share of the two cores
-    from a prefill split over both, which waits at every layer for the thread that lost its
-    core. SCHED_IDLE still runs, at a small share: a GIL this thread holds when preempted comes
-    back within the scheduler's period, and a core nobody else wants runs it at full speed.
-    Niceness 19 where SCHED_IDLE is not available."""
-    import os
-
+    """This thread runs bulk work: one torch thread below the models' compute (niceness 19),
+    so a bulk job runs on the cycles the models and the request path leave. At niceness 19
+    alike it took an equal share of the two cores from a prefill split over both, which waits
+    at every layer for the thread that lost its core."""
     import torch
 
+    from host_tuning.niceness import below_everything
+
     torch.set_num_threads(1)
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only, on Linux
-    except (AttributeError, OSError):
-        try:
-            os.nice(19 - os.getpriority(os.PRIO_PROCESS, 0))
-        except (AttributeError, OSError):
-            pass
+    below_everything()
 
 
 def _bf16_emulated() -> bool:

@@ -362,24 +362,44 @@ def test_embeddings_are_bounded_per_request(service):
 
 
 def test_a_client_retrying_its_429s_without_pause_is_paced(service):
-    """A tenant over its rate that retries at once, on one connection, gets its 429s a hold
-    apart (`ingress.over_limit_hold_s`), each in OpenAI's shape with a Retry-After shortened by
-    the hold, instead of hundreds a second; other tenants are answered meanwhile."""
+    """A tenant over its rate that retries at once, on four connections, gets its 429s a hold
+    apart on each (`ingress.over_limit_hold_s`), each in OpenAI's shape with a Retry-After
+    shortened by the hold, instead of hundreds a second; /health answers and other tenants are
+    served meanwhile."""
     hold_s = service.config.args.ingress.over_limit_hold_s
     assert hold_s >= 0.5
     headers = {"authorization": f"Bearer {RETRYING_KEY}", "content-type": "application/json", **NO_CACHE}
-    codes: list[tuple[int, str | None, str | None]] = []
     stop = time.monotonic() + 3 * hold_s
-    with httpx.Client(base_url=service.base_url, timeout=30) as http:
-        while time.monotonic() < stop:
-            resp = http.post("/v1/chat/completions", content=_chat("hi", max_tokens=1), headers=headers)
-            codes.append((resp.status_code, resp.json().get("error", {}).get("code") if resp.status_code != 200 else None,
-                          resp.headers.get("retry-after")))
-            if len(codes) > 50:
-                break
+
+    def retry() -> list[tuple[int, str | None, str | None]]:
+        codes: list[tuple[int, str | None, str | None]] = []
+        with httpx.Client(base_url=service.base_url, timeout=30) as http:
+            while time.monotonic() < stop and len(codes) <= 50:
+                resp = http.post("/v1/chat/completions", content=_chat("hi", max_tokens=1), headers=headers)
+                codes.append((resp.status_code, resp.json().get("error", {}).get("code") if resp.status_code != 200
+                              else None, resp.headers.get("retry-after")))
+        return codes
+
+    health_ms: list[float] = []
+
+    def probe() -> None:
+        with httpx.Client(base_url=service.base_url, timeout=30) as http:
+            while time.monotonic() < stop:
+                start = time.perf_counter()
+                http.get("/health")
+                health_ms.append((time.perf_counter() - start) * 1000)
+                time.sleep(0.05)
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        health = pool.submit(probe)
+        per_connection = list(pool.map(lambda _: retry(), range(4)))
+        health.result()
+    codes = [c for one in per_connection for c in one]
     refused = [c for c in codes if c[0] != 200]
     assert refused and all(status == 429 and code == "rate_limit_requests" for status, code, _ in refused), codes
-    assert len(codes) <= 5, f"{len(codes)} answers in {3 * hold_s:.1f} s: the 429s were not paced"
+    for one in per_connection:
+        assert len(one) <= 5, f"{len(one)} answers in {3 * hold_s:.1f} s on one connection: the 429s were not paced"
     assert all(after is not None and int(after) >= 0 for *_, after in refused)
+    assert health_ms and max(health_ms) < HEALTH_MAX_MS, max(health_ms)
     other = _post(service, _chat("still there?"))
     assert other.status_code == 200, other.text
