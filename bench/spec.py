@@ -5,8 +5,8 @@ serve_config.yaml's llama.cpp target against its own speculation, one stream):
 - target alone: our decode loop without speculation;
 - ours: the speculative config of configs/cpu-exact.yaml (and, unless --quick, each
   candidate proposer, so the shipped default is the measured winner);
-- HF assisted: `model.generate` with prompt lookup and with an int8 copy of the target as the
-  assistant; per workload the faster of the two counts.
+- HF assisted: `model.generate` with prompt lookup (5 and 10 tokens a round) and with an int8
+  copy of the target as the assistant; per workload the fastest of them counts.
 Greedy decoding throughout, so `lossless` compares token ids with target-alone on every prompt.
 `json_schema`: target alone vs ours with a JSON-schema grammar on (structured outputs), and
 the grammar's mask cost per row.
@@ -129,6 +129,9 @@ def _measure(service, workloads: dict, candidates: dict, max_tokens: int) -> tup
             for ids in prompts:
                 results[name].setdefault("hf_prompt_lookup", []).append(
                     _hf_generate(model, ids, max_tokens, prompt_lookup_num_tokens=5)
+                )
+                results[name].setdefault("hf_prompt_lookup_10", []).append(  # as in transformers' docs
+                    _hf_generate(model, ids, max_tokens, prompt_lookup_num_tokens=10)
                 )
                 results[name].setdefault("hf_int8_assistant", []).append(
                     _hf_generate(model, ids, max_tokens, assistant_model=int8)

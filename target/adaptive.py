@@ -84,13 +84,14 @@ class CostModel:
         reps: int = 5,
         acceptance_priors: dict[str, float] | None = None,
     ):
-        """Time `score_fn(m)` (a forward pass over m tokens) for m = 1..k_max+1.
+        """Time `score_fn(m)` (a forward pass over m tokens) for m from 1 to k_max+1.
 
         Takes the fastest of `reps` runs (interference only ever adds time) and fits a line
         v(m) = a + b*m: a forward pass costs a fixed part plus a per-token part, and a fit
-        keeps one noisy sample from mis-pricing a whole range of k.
+        keeps one noisy sample from mis-pricing a whole range of k. Past the first few sizes a
+        line needs only a few more points, so a long k_max does not lengthen the start much.
         """
-        ms = list(range(1, k_max + 2))
+        ms = sorted(set(range(1, min(k_max, 8) + 2)) | set(range(9, k_max + 2, 4)) | {k_max + 1})
         best = []
         for m in ms:
             samples = []
@@ -103,7 +104,7 @@ class CostModel:
         mean_m, mean_v = sum(ms) / n, sum(best) / n
         slope = sum((m - mean_m) * (v - mean_v) for m, v in zip(ms, best)) / sum((m - mean_m) ** 2 for m in ms)
         slope = max(slope, 0.0)
-        fitted = [max(mean_v + slope * (m - mean_m), best[0] * 0.5) for m in ms]
+        fitted = [max(mean_v + slope * (m - mean_m), best[0] * 0.5) for m in range(1, k_max + 2)]
         return cls(k_max, fitted, draft_ms_per_token, prior_acceptance, draft_prefill_ms_per_token, acceptance_priors)
 
     def verify_ms(self, m: int) -> float:

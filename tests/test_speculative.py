@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -786,3 +787,17 @@ def test_the_small_models_prompts_run_on_the_targets_float32_weights():
     ids = _chat_ids(target.tokenizer, conversations()["rag"][0])
     logits = [engine.prefill(engine.new_sequence(), ids) for engine in (small, target)]
     assert torch.allclose(logits[0], logits[1], atol=1e-4), float((logits[0] - logits[1]).abs().max())
+
+
+def test_calibration_times_a_few_pass_sizes_and_prices_every_k_on_one_line():
+    timed: list[int] = []
+
+    def score(m: int) -> None:  # a pass: 20 ms fixed plus 1 ms a token
+        timed.append(m)
+        time.sleep((20 + m) / 1000)
+
+    costs = CostModel.calibrate(score, 16, draft_ms_per_token=5.0, prior_acceptance=0.7, reps=1)
+    assert sorted(set(timed)) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17], "a long k_max adds few timings"
+    assert len(costs.verify) == 17 and costs.verify_ms(1) < costs.verify_ms(12) < costs.verify_ms(17)
+    assert costs.verify_ms(12) == pytest.approx(32, abs=4), "sizes it did not time lie on the fitted line"
+    assert len(CostModel.calibrate(lambda m: None, 8, 5.0, 0.7, reps=1).verify) == 9
