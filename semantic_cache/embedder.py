@@ -200,10 +200,10 @@ class Embedder:
 
 
 def _background() -> None:
-    """This thread runs bulk work: one torch thread below the models' compute (niceness 19),
-    so a bulk job runs on the cycles the models and the request path leave. At niceness 19
-    alike it took an equal share of the two cores from a prefill split over both, which waits
-    at every layer for the thread that lost its core."""
+    """This thread runs bulk work: one torch thread under SCHED_IDLE, below the models' compute
+    at niceness 19, so a bulk job runs on the cycles the models and the request path leave. At
+    niceness 19 it would take an equal share of the cores from a prefill split over them, which
+    waits at every layer for the thread that lost its core."""
     import torch
 
     from host_tuning.niceness import below_everything
