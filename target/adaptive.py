@@ -225,21 +225,35 @@ class KChooser:
         return False
 
     def observe(
-        self, source: str, proposed: int, accepted: int, draft_ms: float, verify_ms: float, free: bool = False
+        self,
+        source: str,
+        proposed: int,
+        accepted: int,
+        draft_ms: float,
+        verify_ms: float,
+        free: bool = False,
+        drafted: int | None = None,
     ) -> None:
-        if proposed <= 0:
+        """A round: `proposed` tokens verified in a pass of `verify_ms`, `accepted` of them kept.
+        `drafted`: the tokens the drafter made, where a grammar cut its draft to `proposed` (0:
+        no pass ran). The draft's time is per token it made, and the guesses the grammar forbade
+        count as misses: dividing by what survived the cut would price the draft several times
+        its cost for every later request on the replica."""
+        drafted = proposed if drafted is None else drafted
+        if drafted <= 0:
             return
         self._plain_rounds = 0
         self.rounds += 1
         self.proposed += proposed
         self.accepted += accepted
         self.acceptance(source)
-        self._acceptance[source].observe(proposed, accepted)
-        self.costs.replica_acceptance(source).observe(proposed, accepted)
-        self.costs.observe_verify(proposed + 1, verify_ms)
+        self._acceptance[source].observe(drafted, accepted)
+        self.costs.replica_acceptance(source).observe(drafted, accepted)
+        if proposed > 0:
+            self.costs.observe_verify(proposed + 1, verify_ms)
         if draft_ms > 0:  # free drafters report 0: they must not drag the model draft's cost down
-            self.costs.draft_per_token.update(draft_ms / proposed)
-        if free:
+            self.costs.draft_per_token.update(draft_ms / drafted)
+        if free and proposed > 0:
             token_ms = verify_ms / (accepted + 1)
             if self.free_token_ms is None:
                 self.free_token_ms = Ema(token_ms, weight=0.3)

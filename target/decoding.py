@@ -192,12 +192,15 @@ class Generation:
             if proposal is None:
                 proposal = proposer.propose(state, self.tokens, k, self.params, self.rng)
         t1 = time.perf_counter()
+        drafted = len(proposal.tokens)
         if self.grammar is not None:  # a draft the grammar forbids: the target could never choose it
             allowed = self.grammar.allowed_prefix(proposal.tokens)
             proposal.tokens = proposal.tokens[:allowed]
             if proposal.probs is not None:
                 proposal.probs = proposal.probs[:allowed]
         if not proposal.tokens:
+            if proposer is not None:  # a draft made and all forbidden: its time and misses count
+                spec.chooser.observe(proposer.name, 0, 0, proposal.marginal_ms, 0.0, proposer.free, drafted)
             return None
         base = self.seq.length
         logits = self.engine.score(self.seq, [self._last, *proposal.tokens])
@@ -215,7 +218,7 @@ class Generation:
         else:
             spec.chooser.observe(
                 proposer.name, len(proposal.tokens), len(verdict.accepted), proposal.marginal_ms, (t2 - t1) * 1000,
-                free=proposer.free,
+                free=proposer.free, drafted=drafted,
             )
             if not proposer.free:
                 spec.chooser.started.add(proposer.name)

@@ -801,3 +801,29 @@ def test_calibration_times_a_few_pass_sizes_and_prices_every_k_on_one_line():
     assert len(costs.verify) == 17 and costs.verify_ms(1) < costs.verify_ms(12) < costs.verify_ms(17)
     assert costs.verify_ms(12) == pytest.approx(32, abs=4), "sizes it did not time lie on the fitted line"
     assert len(CostModel.calibrate(lambda m: None, 8, 5.0, 0.7, reps=1).verify) == 9
+
+
+def test_a_grammar_cutting_drafts_short_leaves_the_draft_priced_per_token_it_made(spec_service):
+    """A grammar cuts a model draft at the first token it forbids, before the verify pass; the
+    draft's time was still spent on every token it made. Priced per token that survived the
+    cut, one structured request would leave the replica's draft looking several times dearer,
+    and every later request on it would draft less."""
+    import copy
+
+    tok = spec_service.engine.tokenizer
+    ids = _chat_ids(tok, [{"role": "user", "content": "What is the capital of France? Answer in a sentence."}])
+    params = SamplingParams(max_tokens=80, temperature=0.0, structured=StructuredOutput("regex", "[A-Z][a-z ,]+\\."))
+    costs = copy.deepcopy(spec_service.costs)
+    before = costs.draft_per_token.value
+    made: list[int] = []
+
+    class Counted(ModelDraft):
+        def propose(self, *args, **kwargs):
+            proposal = super().propose(*args, **kwargs)
+            made.append(len(proposal.tokens))
+            return proposal
+
+    spec = Speculation([Counted(spec_service.draft_engine)], KChooser(costs, fixed_k=6))
+    _decode(spec_service, ids, params, spec)
+    assert sum(made) > 2 * spec.chooser.proposed, ("the grammar cut few drafts: the test would prove nothing", made)
+    assert costs.draft_per_token.value < 1.6 * before, (before, costs.draft_per_token.value, made)
