@@ -236,9 +236,10 @@ class KChooser:
     ) -> None:
         """A round: `proposed` tokens verified in a pass of `verify_ms`, `accepted` of them kept.
         `drafted`: the tokens the drafter made, where a grammar cut its draft to `proposed` (0:
-        no pass ran). The draft's time is per token it made, and the guesses the grammar forbade
-        count as misses: dividing by what survived the cut would price the draft several times
-        its cost for every later request on the replica."""
+        no pass ran). The draft's time is per token it made: dividing by what survived the cut
+        would price the draft several times its cost for every later request on the replica.
+        The guesses the grammar forbade are misses for this request only; the replica's prior
+        for new requests counts what its target verified, as a request without a grammar sees."""
         drafted = proposed if drafted is None else drafted
         if drafted <= 0:
             return
@@ -248,8 +249,8 @@ class KChooser:
         self.accepted += accepted
         self.acceptance(source)
         self._acceptance[source].observe(drafted, accepted)
-        self.costs.replica_acceptance(source).observe(drafted, accepted)
         if proposed > 0:
+            self.costs.replica_acceptance(source).observe(proposed, accepted)
             self.costs.observe_verify(proposed + 1, verify_ms)
         if draft_ms > 0:  # free drafters report 0: they must not drag the model draft's cost down
             self.costs.draft_per_token.update(draft_ms / drafted)
