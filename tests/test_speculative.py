@@ -826,4 +826,4 @@ def test_a_grammar_cutting_drafts_short_leaves_the_draft_priced_per_token_it_mad
     spec = Speculation([Counted(spec_service.draft_engine)], KChooser(costs, fixed_k=6))
     _decode(spec_service, ids, params, spec)
     assert sum(made) > 2 * spec.chooser.proposed, ("the grammar cut few drafts: the test would prove nothing", made)
-    assert costs.draft_per_token.value < 1.6 * before, (before, costs.draft_per_token.value, made)
+    assert costs.draft_per_token.value < 1.8 * before, (before, costs.draft_per_token.value, made)
