@@ -200,7 +200,7 @@ class Generation:
                 proposal.probs = proposal.probs[:allowed]
         if not proposal.tokens:
             if proposer is not None:  # a draft made and all forbidden: its time and misses count
-                spec.chooser.observe(proposer.name, 0, 0, proposal.marginal_ms, 0.0, proposer.free, drafted)
+                spec.chooser.observe(proposer.name, 0, 0, proposal.marginal_ms, 0.0, free=proposer.free, drafted=drafted)
             return None
         base = self.seq.length
         logits = self.engine.score(self.seq, [self._last, *proposal.tokens])
