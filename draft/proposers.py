@@ -71,6 +71,7 @@ class Proposer(ABC):
 class _ModelState:
     seq: Sequence
     tokens: list[int] = field(default_factory=list)  # what the draft's KV cache holds
+    kept: int | None = None  # context tokens the engine already keeps KV for (looked up once)
 
 
 class ModelDraft(Proposer):
@@ -121,7 +122,16 @@ class ModelDraft(Proposer):
         return Proposal(tokens, torch.stack(dists) if dists else None, self.name, marginal)
 
     def catch_up(self, state: _ModelState, context: list[int]) -> int:
-        return len(context) - _common_prefix(state.tokens, context)
+        common = _common_prefix(state.tokens, context)
+        return len(context) - (common or self._kept(state, context))
+
+    def _kept(self, state: _ModelState, context: list[int]) -> int:
+        """Leading context tokens the draft engine keeps KV for under this request's salt (a
+        shared system prompt, the conversation's last turn): its first catch-up takes them
+        over instead of computing them."""
+        if state.kept is None:
+            state.kept = min(self.engine.held_prefix(context, state.seq.salt), len(context) - 1)
+        return state.kept
 
     CATCH_UP_CHUNK = 64  # tokens a catch-up runs between two looks for a waiting prompt (a tail
     # shorter than two chunks runs whole: at most 127 tokens between looks)
@@ -132,8 +142,13 @@ class ModelDraft(Proposer):
         whole RAG prompt's catch-up as one job runs for a long prefill's time, and a prompt that
         came meanwhile would wait for all of it."""
         start = common
+        kept = self._kept(state, context) if common == 0 else 0
         while True:
-            end = len(context) if len(context) - start < 2 * self.CATCH_UP_CHUNK else start + self.CATCH_UP_CHUNK
+            # A fresh sequence's first chunk reaches past what the engine keeps, which the
+            # engine takes over when it binds the sequence: a chunk ending inside it would
+            # compute the rest of it again.
+            first = max(start, kept)
+            end = len(context) if len(context) - first < 2 * self.CATCH_UP_CHUNK else first + self.CATCH_UP_CHUNK
             logits = self.engine.prefill(state.seq, context[start:end])
             state.tokens = context[:end]
             if end == len(context):

@@ -74,6 +74,12 @@ class Engine(ABC):
     def release(self, seq: Sequence | None) -> None:
         """The sequence is finished: free what it holds (a no-op where GC does it)."""
 
+    def held_prefix(self, token_ids: list[int], salt: int = 0) -> int:
+        """Leading tokens of `token_ids` whose KV the engine keeps under `salt` (another
+        sequence's, or a finished one's kept for reuse): a new sequence given them in one
+        `prefill` takes them over instead of computing them. 0 where it keeps none."""
+        return 0
+
     def stop_pass(self, stop: bool) -> None:
         """From another thread: True makes the pass under way raise `PassStopped` at its next
         layer (its request was cancelled: a cache hit beside it, a client gone), False clears

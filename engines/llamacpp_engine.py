@@ -279,6 +279,9 @@ class LlamaCppEngine(Engine):
             self._pack(state.slot)
         state.slot = None
 
+    def held_prefix(self, token_ids: list[int], salt: int = 0) -> int:
+        return max((_common_prefix(held, token_ids) for held, s in zip(self._held, self._salt) if s == salt), default=0)
+
     def forget_prefixes(self) -> None:
         """Drop the KV every free slot keeps for prefix reuse (benchmarks start cold)."""
         for i, owner in enumerate(self._owner):

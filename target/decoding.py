@@ -278,7 +278,10 @@ class Generation:
                 k, rate = chooser.plan(
                     proposer.name, cap, free=False, catch_up_tokens=catch_up, remaining=remaining,
                 )
-            probe = probe or (proposer, state, proposal)
+            if proposer.free or proposer.name in chooser.started:
+                # A probe re-checks a drafter this request runs; a model drafter not yet started
+                # would first ingest the whole context, a one-off that `plan` alone weighs.
+                probe = probe or (proposer, state, proposal)
             if k > 0 and rate > best_rate:
                 best, best_rate = (proposer, state, k, proposal), rate
         if best is None:  # plain decoding wins; probe now and then

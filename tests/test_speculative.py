@@ -675,16 +675,83 @@ def test_a_draft_models_catch_up_stops_between_chunks_for_a_waiting_prompt_and_g
     expected = whole.propose(state, ids, 4, params, None).tokens
     whole.end(state)
 
+    spec_service.draft_engine.forget_prefixes()  # else it takes the prompt over from `whole`'s KV
+    kept = spec_service.draft_engine.held_prefix(ids)  # what running sequences still hold (a few tokens)
+    assert kept < chunk
     chunked = ModelDraft(spec_service.draft_engine)
     waiting = [True]
     chunked.prompt_waiting = lambda: waiting[0]
     state = chunked.begin(ids)
     assert chunked.propose(state, ids, 4, params, None).tokens == []
-    assert state.tokens == ids[:chunk] and chunked.catch_up(state, ids) == len(ids) - chunk
+    assert state.tokens == ids[: kept + chunk] and chunked.catch_up(state, ids) == len(ids) - kept - chunk
     waiting[0] = False
     resumed = chunked.propose(state, ids, 4, params, None).tokens
     chunked.end(state)
     assert len(resumed) == 4 and sum(a == b for a, b in zip(resumed, expected)) >= 3, (resumed, expected)
+
+
+def test_a_draft_catches_up_from_the_prefix_its_engine_keeps_and_drafts_as_from_cold(spec_service):
+    """A shared system prompt or the conversation's last turn is in the draft engine's KV from an
+    earlier request: a new request's draft counts only the rest as its catch-up (what the planner
+    prices) and takes the rest over in its first chunk, instead of chunk by chunk from the start,
+    where each chunk ending inside the kept prefix would compute it again."""
+    engine = spec_service.draft_engine
+    tok = spec_service.engine.tokenizer
+    from bench.peer_workloads import _SYSTEM  # a ~300-token support assistant's system prompt
+
+    first = _chat_ids(tok, [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "How do refunds work?"}])
+    second = _chat_ids(tok, [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Can I share a plan?"}])
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared >= 2 * ModelDraft.CATCH_UP_CHUNK, shared  # else the catch-up runs whole anyway
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    def draft(ids) -> tuple[int, list[int], int]:
+        drafter = ModelDraft(engine)
+        state = drafter.begin(ids)
+        catch_up = drafter.catch_up(state, ids)
+        hits = engine.prefix_cache.hit_tokens
+        tokens = drafter.propose(state, ids, 4, params, None).tokens
+        drafter.end(state)
+        return catch_up, tokens, engine.prefix_cache.hit_tokens - hits
+
+    def run():
+        engine.forget_prefixes()
+        leftover = engine.held_prefix(second)  # what sequences still running hold (a few tokens)
+        cold = draft(second)
+        engine.forget_prefixes()
+        draft(first)  # an earlier request leaves its KV
+        return leftover, cold, draft(second)
+
+    leftover, (cold_catch_up, cold_tokens, _), (catch_up, tokens, reused) = spec_service.executor.submit(run).result()
+    assert leftover < ModelDraft.CATCH_UP_CHUNK and cold_catch_up == len(second) - leftover
+    assert catch_up <= len(second) - shared and reused >= shared, (catch_up, reused, shared)
+    assert sum(a == b for a, b in zip(tokens, cold_tokens)) >= 3, (tokens, cold_tokens)
+
+
+def test_a_probe_never_starts_a_model_draft_the_plan_declined(spec_service):
+    """With speculation not paying, a round now and then probes a drafter the request runs, to
+    notice when its drafts get good again. A model drafter that has not started would first
+    ingest the whole context, the one-off the planner weighed when it declined it: a probe must
+    not pay that (on a 300-token prompt and a short answer, it made decoding slower than plain)."""
+    import copy
+
+    tok = spec_service.engine.tokenizer
+    ids = _chat_ids(tok, conversations()["rag"][0])
+    params = SamplingParams(max_tokens=3 * KChooser.PROBE_EVERY + KChooser.OBSERVE_STEPS, temperature=0.0)
+    costs = copy.deepcopy(spec_service.costs)
+    costs.draft_prefill_per_token = 1000 * costs.verify_ms(1)  # a catch-up never pays back here
+    started: list[int] = []
+
+    class Watched(ModelDraft):
+        def propose(self, state, context, k, p, rng):
+            started.append(len(context))
+            return super().propose(state, context, k, p, rng)
+
+    spec_service.draft_engine.forget_prefixes()
+    spec = Speculation([Watched(spec_service.draft_engine)], KChooser(costs))
+    tokens, _ = _decode(spec_service, ids, params, spec)
+    assert len(tokens) == params.max_tokens, "the answer ended before a probe was due: the test proves nothing"
+    assert started == [], started
 
 
 def test_turns_that_give_way_to_a_prompt_leave_one_batch_runner_queued(spec_service):
