@@ -92,7 +92,8 @@ def build_api(pipeline: Pipeline, stalled_readers: Callable[[], int] = lambda: 0
 # Request headers the pipeline reads (ingress/context.py), documented so clients and fuzzers see them.
 _HEADERS = {
     "x-request-deadline-ms": ("number", "Deadline for the whole request, in milliseconds from now."),
-    "x-slo-tier": ("string", "SLO tier (admission.tiers in serve_config.yaml; default: the key's tier, else interactive)."),
+    "x-slo-tier": ("string", "SLO tier (admission.tiers in serve_config.yaml; default: the key's tier, else "
+                   "admission.default_tier, standard as shipped)."),
     "x-admission-mode": ("string", "predictive or fifo; honored only with admission.allow_mode_header (benchmarks)."),
     "x-tenant": ("string", "A namespace inside the API key's tenant: [A-Za-z0-9_.:-]{1,64}."),
     "x-request-id": ("string", "Echoed back and logged; the service's own ids are generated."),
