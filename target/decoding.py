@@ -264,7 +264,7 @@ class Generation:
         chooser = self.spec.chooser
         best, best_rate, probe = None, chooser.plain_rate(), None
         for proposer, state in zip(self.spec.proposers, self.spec.states):
-            proposal = None
+            proposal, catch_up = None, 0
             if proposer.free:  # a lookup costs nothing: see what it has before planning
                 proposal = proposer.propose(state, self.tokens, cap, self.params, self.rng)
                 if not proposal.tokens:
@@ -278,9 +278,9 @@ class Generation:
                 k, rate = chooser.plan(
                     proposer.name, cap, free=False, catch_up_tokens=catch_up, remaining=remaining,
                 )
-            if proposer.free or proposer.name in chooser.started:
-                # A probe re-checks a drafter this request runs; a model drafter not yet started
-                # would first ingest the whole context, a one-off that `plan` alone weighs.
+            if catch_up <= HELD_CATCH_UP_TOKENS:
+                # A probe costs a round, not a prefill: a model drafter that has yet to ingest
+                # the context is started by `plan` alone, which weighs that one-off.
                 probe = probe or (proposer, state, proposal)
             if k > 0 and rate > best_rate:
                 best, best_rate = (proposer, state, k, proposal), rate
