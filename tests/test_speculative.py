@@ -732,7 +732,7 @@ def test_a_probe_never_starts_a_model_draft_the_plan_declined(spec_service):
     """With speculation not paying, a round now and then probes a drafter the request runs, to
     notice when its drafts get good again. A model drafter that has not started would first
     ingest the whole context, the one-off the planner weighed when it declined it: a probe must
-    not pay that (on a 300-token prompt and a short answer, it made decoding slower than plain)."""
+    not pay that (on a long prompt and a short answer, that decodes slower than plain)."""
     import copy
 
     tok = spec_service.engine.tokenizer
