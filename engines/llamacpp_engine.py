@@ -280,7 +280,7 @@ class LlamaCppEngine(Engine):
         state.slot = None
 
     def held_prefix(self, token_ids: list[int], salt: int = 0) -> int:
-        return max((_common_prefix(held, token_ids) for held, s in zip(self._held, self._salt) if s == salt), default=0)
+        return max(self._shared_prefix(slot, token_ids, salt) for slot in range(self.max_sequences))
 
     def forget_prefixes(self) -> None:
         """Drop the KV every free slot keeps for prefix reuse (benchmarks start cold)."""
@@ -353,9 +353,9 @@ class LlamaCppEngine(Engine):
         self._last_used[slot] = time.monotonic()
         return slot
 
-    def _shared_prefix(self, slot: int, state: _SeqState) -> int:
-        """Tokens of `state`'s prompt whose KV `slot` holds, for the same tenant only."""
-        return _common_prefix(self._held[slot], state.tokens) if self._salt[slot] == state.salt else 0
+    def _shared_prefix(self, slot: int, tokens: list[int], salt: int) -> int:
+        """Leading `tokens` whose KV `slot` holds, for the same tenant (`salt`) only."""
+        return _common_prefix(self._held[slot], tokens) if self._salt[slot] == salt else 0
 
     def _copy_prefix(self, slot: int, state: _SeqState, common: int) -> None:
         """Take a longer prefix of the prompt from another slot of the same tenant, running or
@@ -364,7 +364,7 @@ class LlamaCppEngine(Engine):
         best, source = common + COPY_MIN_TOKENS, None
         for other in range(self.max_sequences):
             if other != slot and len(self._held[other]) >= best:
-                n = self._shared_prefix(other, state)
+                n = self._shared_prefix(other, state.tokens, state.salt)
                 if n >= best:
                     best, source = n, other
         if source is None:
@@ -383,14 +383,14 @@ class LlamaCppEngine(Engine):
         free = [i for i, owner in enumerate(self._owner) if owner is None]
         if free:
             lowest = free[0]
-            if len(free) > 1 and len(self._held[lowest]) > self._shared_prefix(lowest, state):
+            if len(free) > 1 and len(self._held[lowest]) > self._shared_prefix(lowest, state.tokens, state.salt):
                 spare = min(free[1:], key=lambda i: (len(self._held[i]) > 0, self._last_used[i]))
                 if not self._held[spare] or self._last_used[spare] < self._last_used[lowest]:
                     self._move_kv(lowest, spare)
             return lowest
         best, best_common = 0, -1
         for i in range(self.max_sequences):
-            common = self._shared_prefix(i, state)
+            common = self._shared_prefix(i, state.tokens, state.salt)
             if common > best_common or (common == best_common and self._last_used[i] < self._last_used[best]):
                 best, best_common = i, common
         return best
