@@ -172,18 +172,30 @@ class ModelEstimates:
     # round of several tokens). A new request's prefill waits for the step in progress, which
     # for a lone speculating request is several ITLs long.
     step: ByConcurrency = field(default_factory=ByConcurrency)
+    # How long a new prompt waited in the model replica's queue for the step in progress (the
+    # replica's own measurement), by the requests running beside it. A model draft stops at its
+    # next token for a waiting prompt and a round of turns lets it in after the turn under way,
+    # so the wait is a verify pass or less: priced as the interval between one request's chunks
+    # (a lone speculating request's whole round), first tokens beside a running request are
+    # predicted later than they come. Until a wait is observed, one step stands in.
+    prompt_wait: ByConcurrency = field(default_factory=ByConcurrency)
     max_age_s: float = MAX_AGE_S
     half_life_s: float = STALE_HALF_LIFE_S
 
     def __post_init__(self) -> None:
-        for by in self.prefill_ms_per_token, self.itl, self.step:
+        for by in self.prefill_ms_per_token, self.itl, self.step, self.prompt_wait:
             by.max_age_s, by.half_life_s = self.max_age_s, self.half_life_s
 
     def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
                 completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,
-                start_concurrency: float | None = None, chunks: int = 0, cut_short: bool = False) -> None:
+                start_concurrency: float | None = None, chunks: int = 0, cut_short: bool = False,
+                behind_step: bool = False) -> None:
         """One request's service times. `cut_short`: its client left mid-answer, so its length says
-        nothing of the model's (output fraction untouched), while its steps so far were real."""
+        nothing of the model's (output fraction untouched), while its steps so far were real.
+        `behind_step`: it started beside requests running on its model with no prefill ahead of
+        it, so its `queue_ms` was the wait for the step in progress."""
+        if behind_step and start_concurrency is not None:
+            self.prompt_wait.add(start_concurrency - 1, queue_ms)
         if prefill_ms is not None and prompt_tokens > 0:
             level = start_concurrency or concurrency
             if level <= LIGHT_CONCURRENCY:
@@ -228,9 +240,17 @@ class ModelEstimates:
             return self.itl_ms(concurrency)
         return max(self.itl_ms(concurrency), self.step.at(concurrency, self.prior_itl_ms))
 
+    def prompt_wait_ms(self, concurrency: float) -> float:
+        """A new prompt's wait for the step in progress, with this many requests running on the
+        box beside it: as observed, or one step until a wait is."""
+        if not self.prompt_wait.levels:
+            return self.step_ms(concurrency)
+        return self.prompt_wait.at(concurrency, self.prior_itl_ms)
+
     def snapshot(self) -> dict:
         return {
             "step_ms_by_concurrency": self.step.snapshot(),
+            "prompt_wait_ms_by_concurrency": self.prompt_wait.snapshot(),
             "prefill_fixed_ms": _round(self.prefill_fixed_ms()),
             "prefill_ms_per_token_by_concurrency": self.prefill_ms_per_token.snapshot(),
             "overhead_ms": _round(self.overhead_ms.value),

@@ -148,9 +148,9 @@ class AdmissionGate:
         """(time to first token, time to last token) once started, at this concurrency."""
         est = self.estimates[t.model_id]
         itl = est.itl_ms(concurrency)
-        # The engine finishes the step in progress before it prefills a new sequence: a batched
-        # decode step, or a lone request's whole speculative round.
-        step = est.step_ms(concurrency - 1) if concurrency > 1 and not self.model_idle(t.model_id) else 0.0
+        # The engine finishes the step in progress before it prefills a new sequence: as long as
+        # new prompts were seen to wait for one (a draft stops for a waiting prompt).
+        step = est.prompt_wait_ms(concurrency - 1) if concurrency > 1 and not self.model_idle(t.model_id) else 0.0
         # The first token is calibrated (`bias`, and the tail margin in `_first_in_time`); the
         # decode after it is not, so it alone carries `safety`: on both, first tokens would come
         # early at the median; on neither, admitted requests under overload would finish past
@@ -202,16 +202,21 @@ class AdmissionGate:
 
     def _fits_now(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> bool:
         """Can it start now without missing its own deadlines or pushing a running one past its?"""
+        return self._misfit(t, now, ttft_headroom) is None
+
+    def _misfit(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> str | None:
+        """Why starting it now would miss its own deadlines or push a running one past its
+        (docs/admission.md: `not_started`); None if it fits."""
         c = self.concurrency() + 1
         first_ms, last_ms = self._service_ms(t, c)
         ahead_ms = self._prefills_ahead_ms(now, t.model_id)
         first_ms, last_ms = first_ms + ahead_ms, last_ms + ahead_ms
         if not self._first_in_time(t, now, first_ms, ttft_headroom):
-            return False
+            return "first_token_late"
         if t.deadline is not None and now + last_ms / 1000 > t.deadline:
-            return False
+            return "deadline_late"
         if not self._paced(t, c) and not self.shares.first_of(t, self.running):
-            return False
+            return "per_token_target"
         stall = first_ms / 1000  # its prefill holds up the others' decode steps
         for r in self.running:
             if r.deadline is None:
@@ -219,8 +224,8 @@ class AdmissionGate:
             est = self.estimates[r.model_id]
             slowdown = est.itl_ms(c) / max(1e-6, est.itl_ms(r.concurrency_at_start))
             if now + max(0.0, r.finish_at - now) * slowdown + stall > r.deadline:
-                return False
-        return True
+                return "running_deadline"
+        return None
 
     def _paced(self, t: Ticket, concurrency: float) -> bool:
         """With `concurrency` sequences on the box, is the predicted time between tokens within
@@ -321,15 +326,27 @@ class AdmissionGate:
         return self._wait_rejection(t, ahead, now)
 
     def _can_start(self, t: Ticket, ahead: list[Ticket], now: float) -> bool:
-        return not ahead and self.inflight < self.max_inflight and self._takes_now(t, now)
+        return self._not_now(t, ahead, now) is None
+
+    def _not_now(self, t: Ticket, ahead: list[Ticket], now: float) -> str | None:
+        """Why it can't start at once (docs/admission.md: `not_started`), or None if it can."""
+        if ahead:
+            return "queued_ahead"
+        if self.inflight >= self.max_inflight:
+            return "slots_full"
+        return self._taken_not(t, now)
 
     def _takes_now(self, t: Ticket, now: float) -> bool:
         """A free seat on its model within its tenant's share, and an idle model that takes it
         or room to fit it in."""
-        return (
-            self.seat_free(t.model_id) and self._tenant_room(t)
-            and (self._idle_takes(t, now) or self._fits_now(t, now))
-        )
+        return self._taken_not(t, now) is None
+
+    def _taken_not(self, t: Ticket, now: float) -> str | None:
+        if not self.seat_free(t.model_id):
+            return "seats_full"
+        if not self._tenant_room(t):
+            return "tenant_share"
+        return None if self._idle_takes(t, now) else self._misfit(t, now)
 
     def _wait_rejection(self, t: Ticket, ahead: list[Ticket], now: float) -> Rejection | None:
         """For a ticket that can't start now: why it may not wait either, or None to queue it."""
@@ -338,15 +355,17 @@ class AdmissionGate:
         if self.shares.queue_full(t.tenant, self._queued_of(t.tenant), self.max_queued):
             return self.reject("queue_full", "this API key's share of the queue is full", t, len(ahead), tenant_limit=True)
         predicted = self.predict(t, ahead, now)
+        not_now = self._not_now(t, ahead, now)
         if not self._meets(t, predicted, now):
             return self.reject(
                 "deadline_unmeetable", "the service can't meet this request's deadline at the current load",
-                t, len(ahead), predicted,
+                t, len(ahead), predicted, not_now=not_now,
             )
         if t.max_wait == 0 or (t.max_wait is not None and predicted.wait_ms > t.max_wait * 1000):
             limit = "this tier does not queue" if t.max_wait == 0 else f"this tier's queue-wait limit is {t.max_wait * 1000:.0f} ms"
             return self.reject(
                 "queue_wait_limit", f"the service can't start this request now, and {limit}", t, len(ahead), predicted,
+                not_now=not_now,
             )
         return None
 
@@ -464,6 +483,7 @@ class AdmissionGate:
         first_ms, last_ms = self._service_ms(t, c)
         ahead_s = self._prefills_ahead_ms(now, t.model_id) / 1000
         t.first_at, t.finish_at = now + ahead_s + first_ms / 1000, now + ahead_s + last_ms / 1000
+        t.behind_step = c > 1 and not self.model_idle(t.model_id) and ahead_s == 0
         self.running.add(t)
         self.occupancy.set(self.concurrency())
         self.admitted += 1
@@ -490,9 +510,9 @@ class AdmissionGate:
         heapq.heapify(self._queue)
 
     def reject(self, reason: str, message: str, t: Ticket, ahead: int, predicted: Prediction | None = None,
-               waited_ms: float = 0.0, tenant_limit: bool = False) -> Rejection:
+               waited_ms: float = 0.0, tenant_limit: bool = False, not_now: str | None = None) -> Rejection:
         now = self._clock()
         # Retry when the earliest running request is predicted to finish.
         soonest = min((r.finish_at for r in self.running), default=now)
         retry = max(self.retry_after_s, math.ceil(max(0.0, soonest - now)))
-        return Rejection(reason, message, retry, ahead, waited_ms, predicted, tenant_limit)
+        return Rejection(reason, message, retry, ahead, waited_ms, predicted, tenant_limit, not_now)

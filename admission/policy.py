@@ -151,6 +151,7 @@ class AdmissionPolicy:
             queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
             concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks, cut_short=cut_short,
+            behind_step=ticket.behind_step,
         )
 
     def seed_prefill(self, model_id: str, fixed_ms: float, per_token_ms: float) -> None:
@@ -209,13 +210,16 @@ class AdmissionPolicy:
 
 
 def _shed(ticket: Ticket, rej: Rejection) -> AdmissionError:
-    extra: dict = {"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": ticket.tier}
+    extra: dict = {"queued_ahead": rej.queued_ahead, "waited_ms": round(rej.waited_ms, 1), "tier": ticket.tier,
+                   "model": ticket.model_id}  # the model the prediction is for
     if ticket.deadline is not None:
         extra["deadline_ms"] = round((ticket.deadline - ticket.arrived) * 1000)
     if ticket.ttft_deadline is not None:
         extra["ttft_deadline_ms"] = round((ticket.ttft_deadline - ticket.arrived) * 1000)
     if rej.predicted is not None:
         extra["predicted"] = rej.predicted.as_dict()
+    if rej.not_now is not None:
+        extra["not_started"] = rej.not_now
     return AdmissionError("shed", rej.message, rej.reason, retry_after_s=rej.retry_after_s, details=extra,
                           tenant_limit=rej.tenant_limit)
 

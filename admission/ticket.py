@@ -26,6 +26,9 @@ class Ticket:
     concurrency_at_start: float = 1.0
     first_at: float = 0.0  # predicted first token
     finish_at: float = 0.0  # predicted last token
+    # It started beside requests running on its model, no prefill ahead: its wait in the model
+    # replica's queue was for the step in progress (ServiceEstimates.prompt_wait).
+    behind_step: bool = False
     prefilled: bool = False  # its first token arrived: its prefill delays no one any more
     decode_from: Reading | None = None  # the box's occupancy when its first token arrived
     max_wait: float | None = None  # seconds it may wait in the queue (its tier's max_queue_ms)
@@ -65,3 +68,4 @@ class Rejection(Exception):
     waited_ms: float = 0.0
     predicted: Prediction | None = None
     tenant_limit: bool = False  # refused for its tenant's share, not for the service's load
+    not_now: str | None = None  # why it could not start at once (docs/admission.md: `not_started`)

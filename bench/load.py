@@ -71,6 +71,7 @@ class Outcome:
     predicted_ttft_ms: float | None = None  # x-admission-predicted, when admission admitted it
     prompt: str = ""  # chat | rag | code
     shed_predicted: dict | None = None  # a 503's body: the prediction it was shed on
+    shed_not_started: str | None = None  # ... and why it could not start at once
     sent_at_s: float = 0.0  # since the point started
     server_timing: str = ""  # where the server spent the time: to shed, or to the first token
     tokens: int = 0  # completion tokens (the stream's usage)
@@ -143,6 +144,8 @@ async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, de
                 try:
                     error = json.loads(raw)["error"]
                     out.code, out.shed_predicted = error["code"], error.get("predicted")
+                    out.shed_not_started = error.get("not_started")
+                    out.route = error.get("model")
                 except Exception:
                     out.code = "non_json"
                 out.kind = "shed" if resp.status_code in (429, 503) and out.code != "backend_error" else "error"
@@ -234,9 +237,26 @@ def _calibration(admitted: list[Outcome]) -> dict:
     optimistic), and the prediction of every one that missed its TTFT SLO."""
     judged = [o for o in admitted if o.tier == "interactive" and o.ttft_ms is not None and o.predicted_ttft_ms]
     ratios = [o.ttft_ms / o.predicted_ttft_ms for o in judged]
+    by_model: dict[str, list[Outcome]] = {}
+    for o in judged:
+        by_model.setdefault((o.route or "?").split(";")[0], []).append(o)
     return {
         "ttft_measured_over_predicted_p50": round(percentile(ratios, 0.5), 2) if ratios else None,
         "ttft_measured_over_predicted_p95": round(percentile(ratios, 0.95), 2) if ratios else None,
+        # Which model's predictions are off, and by how much of the wait in its replica's queue.
+        "ttft_by_model": {
+            model: {
+                "requests": len(os),
+                "measured_over_predicted_p50": round(percentile([o.ttft_ms / o.predicted_ttft_ms for o in os], 0.5), 2),
+                "measured_ms_p50": round(percentile([o.ttft_ms for o in os], 0.5)),
+                "predicted_ms_p50": round(percentile([o.predicted_ttft_ms for o in os], 0.5)),
+                "engine_queue_ms_p50": round(percentile(
+                    [server_timing(o.server_timing).get("engine_queue", 0.0) for o in os], 0.5), 1),
+                "prefill_ms_p50": round(percentile(
+                    [server_timing(o.server_timing).get("prefill", 0.0) for o in os], 0.5), 1),
+            }
+            for model, os in sorted(by_model.items())
+        },
         "ttft_slo_misses": [
             {"measured_ms": round(o.ttft_ms), "predicted_ms": round(o.predicted_ttft_ms), "route": o.route,
              "server": server_timing(o.server_timing),
@@ -284,6 +304,7 @@ def _point(sent: list[Outcome], duration_s: float, warm_in_s: float, load_factor
         "shed_at_arrival_p99_ms": _p([o.e2e_ms for o in shed if o.code not in QUEUE_DROPS], 0.99),
         "dropped_in_queue": sum(o.code in QUEUE_DROPS for o in shed),
         "shed_codes": _count(o.code for o in shed),
+        "shed_not_started": _count(o.shed_not_started or "-" for o in shed),
         # Which prompts were turned away, against all sent, and what the gate predicted for them:
         # a lead when admission sheds what FIFO would have served in time.
         "sent_by_prompt": _count(o.prompt for o in outcomes),
@@ -311,10 +332,11 @@ def _false_sheds(on: list[Outcome], off: list[Outcome], warm_in_s: float) -> dic
         "false_sheds": len(false),
         "false_shed_rate": round(len(false) / len(pairs), 4) if pairs else 0.0,
         "false_shed_codes": _count(a.code for a in false),
+        "false_shed_not_started": _count(a.shed_not_started or "-" for a in false),
         # what each was shed on, beside what its FIFO twin measured: where the estimate erred
         "false_shed_detail": [
             {"prompt": a.prompt, "tier": a.tier, "code": a.code, "predicted": a.shed_predicted,
-             "fifo_ttft_ms": None if b.ttft_ms is None else round(b.ttft_ms), "fifo_e2e_ms": round(b.e2e_ms),
+             "not_started": a.shed_not_started, "model": a.route, "fifo_ttft_ms": None if b.ttft_ms is None else round(b.ttft_ms), "fifo_e2e_ms": round(b.e2e_ms),
              "fifo_tpot_ms": None if b.tpot_ms is None else round(b.tpot_ms),
              "sent_at_s": round(a.sent_at_s, 1)}
             for a, b in pairs if a.kind == "shed" and b.in_slo

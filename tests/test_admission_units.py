@@ -558,6 +558,60 @@ def test_a_new_prefill_is_predicted_to_wait_for_the_step_in_progress_a_speculati
     assert not gate._fits_now(t, time.monotonic()), "~150 ms of prefill + a 50 ms round miss a 150 ms TTFT target"
 
 
+def test_a_new_prefill_is_predicted_to_wait_as_long_as_prompts_were_seen_to_wait_not_a_whole_round():
+    """A model draft stops at its next token for a waiting prompt: a newcomer beside a lone
+    speculating request waits for a verify pass, not for the request's whole round. Once
+    the replica's queue waits of prompts that started behind a step are observed, they price
+    the wait; requests that started on an idle model, or behind another prefill, teach nothing."""
+    from admission.policy import AdmissionPolicy
+
+    policy = AdmissionPolicy(AdmissionConfig(max_inflight=8, prior_itl_ms=10.0, prior_prefill_ms_per_token=1.0))
+    gate = policy.gate
+    est = gate.estimates["m"]
+    for _ in range(3):  # alone, 41 tokens in 8 chunks: rounds of ~5 drafts, 50 ms apart
+        est.observe(prompt_tokens=100, prefill_ms=100.0, ttft_ms=100.0, queue_ms=0.0, completion_tokens=41,
+                    max_tokens=64, decode_ms=400.0, concurrency=1, chunks=8)
+    running = Ticket("m", "t", 0, 10, 10)
+    asyncio.run(gate.acquire(running))
+    assert not running.behind_step, "it started on an idle model: nothing to wait for"
+    running.prefilled = True  # its first token came (no calibration: the bias stays 1)
+    t = Ticket("m", "t", 0, 100, 16, deadline=time.monotonic() + 60)
+    assert gate._service_ms(t, 2)[0] == pytest.approx(est.prefill_ms(100, 2) + 50.0), "no wait seen yet: a round"
+    for _ in range(5):
+        newcomer = Ticket("m", "t", 0, 100, 16, deadline=time.monotonic() + 60)
+        asyncio.run(gate.acquire(newcomer))
+        assert newcomer.behind_step
+        policy.observe(newcomer, ttft_ms=120.0, queue_ms=12.0, prefill_ms=100.0, completion_tokens=8,
+                       total_ms=300.0, chunks=2)
+        gate.release(newcomer)
+    assert est.prompt_wait_ms(1) == pytest.approx(12.0)
+    assert gate._service_ms(t, 2)[0] == pytest.approx(est.prefill_ms(100, 2) + 12.0)
+    gate.release(running)
+    assert gate._service_ms(t, 1)[0] == pytest.approx(est.prefill_ms(100, 1)), "an idle model: no wait"
+    behind_prefill = Ticket("m", "t", 0, 10, 10)
+    asyncio.run(gate.acquire(Ticket("m", "t", 0, 500, 10)))  # not prefilled yet: ahead of the next one
+    asyncio.run(gate.acquire(behind_prefill))
+    assert not behind_prefill.behind_step, "its queue wait was for the prefill ahead, priced apart"
+
+
+def test_a_shed_says_which_rule_kept_it_from_starting_at_once():
+    """A 503 says why the request could not start now, so a client (and bench load's false-shed
+    detail) can tell a full service from a pacing rule or a running request's deadline."""
+    from admission.policy import _shed
+
+    gate = AdmissionGate(8, 8, 1, ServiceEstimates(150.0, 0.1), safety=1.0)  # two streams: 225 ms a token
+    now = time.monotonic()
+    asyncio.run(gate.acquire(Ticket("m", "t", 0, 10, 100, tpot_ms=200)))
+    paced = Ticket("m", "t", 0, 10, 100, ttft_deadline=now + 2, tpot_ms=200)
+    rejection = gate.check(paced)
+    assert rejection is not None and rejection.reason == "deadline_unmeetable"
+    assert rejection.not_now == "per_token_target"
+    assert _shed(paced, rejection).details["not_started"] == "per_token_target"
+    gate.set_limits(1, 8)
+    full = gate.check(Ticket("m", "t", 0, 10, 100, ttft_deadline=now + 2))
+    assert full is not None and full.not_now == "slots_full"
+
+
 def test_in_time_is_stricter_than_would_meet_and_takes_a_ttft_headroom():
     """An idle box takes a request whose first token is predicted late (would_meet), but it is
     not in time; with a headroom, one that cuts its TTFT close is not in time either."""
