@@ -38,6 +38,7 @@ from collections import Counter
 from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
 from admission.occupancy import Occupancy
+from admission.running import finish_estimate, prefills_ahead_ms
 from admission.ticket import Prediction, Rejection, Ticket
 from admission.ttft_calibration import TtftCalibration
 
@@ -171,24 +172,9 @@ class AdmissionGate:
         return t.ttft_deadline is None or now + needed_ms / 1000 <= t.ttft_deadline
 
     def _prefills_ahead_ms(self, now: float, model_id: str) -> float:
-        """How long until the prompts admitted to `model_id` (to any model, where the models
-        share the cores) but not yet through prefill are done: they run before a new one. Each
-        one's predicted first token already counts the prefills that were ahead of it, so the
-        latest of them is the wait (a sum counted every earlier prefill again for each later
-        one, predicting first tokens many times later than they came). One past its predicted
-        first token is still in the engine: expect it to run as late again as it already is (at
-        most its own predicted time again), not to end now. Counted as ending now, a long RAG
-        prefill running late lets newcomers in that then wait behind it in the engine queue and
-        miss their TTFT."""
-        ahead = 0.0
-        for r in self.running:
-            if r.prefilled or (r.model_id != model_id and not self.shared_cores):
-                continue
-            if r.first_at >= now:
-                ahead = max(ahead, r.first_at - now)
-            else:
-                ahead = max(ahead, min(now - r.first_at, max(0.0, r.first_at - r.started_at)))
-        return ahead * 1000
+        """The wait for the prompts still in prefill ahead of a new one on `model_id` (on any
+        model, where the models share the cores): admission/running.py."""
+        return prefills_ahead_ms(self.running, now, None if self.shared_cores else model_id)
 
     def first_token(self, t: Ticket) -> None:
         """The ticket's first token arrived: how long it took against the prediction calibrates
@@ -292,15 +278,8 @@ class AdmissionGate:
         return Prediction(0.0, waited_ms + first_ms + pending_ms, waited_ms + last_ms + pending_ms)
 
     def _finish_estimate(self, r: Ticket, now: float) -> float:
-        """When a running request should end. One past its predicted finish is writing a longer
-        answer than expected (output length is a guess): expect it to overrun as long again as
-        it already has, though no longer than its max_tokens allow. Expecting it to end `now`
-        queued TTFT-tier requests behind it that then passed their latest start and were
-        dropped after a long wait, where a shed at arrival takes milliseconds."""
-        if r.finish_at >= now:
-            return r.finish_at
-        longest = r.first_at + r.max_tokens * self.estimates[r.model_id].itl_ms(r.concurrency_at_start) / 1000
-        return max(now, min(now + (now - r.finish_at), longest))
+        """When a running request should end (admission/running.py)."""
+        return finish_estimate(r, now, self.estimates[r.model_id])
 
     def would_meet(self, t: Ticket) -> bool:
         """Would `acquire` start or queue this ticket (rather than shed it) right now?"""
@@ -321,41 +300,33 @@ class AdmissionGate:
         would start or queue the ticket."""
         now = self._clock()
         ahead = self._queue_ahead(t)
-        if self._can_start(t, ahead, now):
-            return None
-        return self._wait_rejection(t, ahead, now)
+        not_now = self._not_now(t, ahead, now)
+        return None if not_now is None else self._wait_rejection(t, ahead, now, not_now)
 
     def _can_start(self, t: Ticket, ahead: list[Ticket], now: float) -> bool:
         return self._not_now(t, ahead, now) is None
 
     def _not_now(self, t: Ticket, ahead: list[Ticket], now: float) -> str | None:
         """Why it can't start at once (docs/admission.md: `not_started`), or None if it can."""
-        if ahead:
-            return "queued_ahead"
-        if self.inflight >= self.max_inflight:
-            return "slots_full"
-        return self._taken_not(t, now)
+        return "queued_ahead" if ahead else "slots_full" if self.inflight >= self.max_inflight else self._not_taken(t, now)
 
-    def _takes_now(self, t: Ticket, now: float) -> bool:
-        """A free seat on its model within its tenant's share, and an idle model that takes it
-        or room to fit it in."""
-        return self._taken_not(t, now) is None
-
-    def _taken_not(self, t: Ticket, now: float) -> str | None:
+    def _not_taken(self, t: Ticket, now: float) -> str | None:
+        """None where a seat on its model is free within its tenant's share, and an idle model
+        takes it or there is room to fit it in; else why not."""
         if not self.seat_free(t.model_id):
             return "seats_full"
         if not self._tenant_room(t):
             return "tenant_share"
         return None if self._idle_takes(t, now) else self._misfit(t, now)
 
-    def _wait_rejection(self, t: Ticket, ahead: list[Ticket], now: float) -> Rejection | None:
-        """For a ticket that can't start now: why it may not wait either, or None to queue it."""
+    def _wait_rejection(self, t: Ticket, ahead: list[Ticket], now: float, not_now: str | None) -> Rejection | None:
+        """For a ticket that can't start now (`not_now` says why): why it may not wait either, or
+        None to queue it."""
         if self.queued >= self.max_queued:
             return self.reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
         if self.shares.queue_full(t.tenant, self._queued_of(t.tenant), self.max_queued):
             return self.reject("queue_full", "this API key's share of the queue is full", t, len(ahead), tenant_limit=True)
         predicted = self.predict(t, ahead, now)
-        not_now = self._not_now(t, ahead, now)
         if not self._meets(t, predicted, now):
             return self.reject(
                 "deadline_unmeetable", "the service can't meet this request's deadline at the current load",
@@ -427,10 +398,11 @@ class AdmissionGate:
         self.seen(t)
         now = self._clock()
         ahead = self._queue_ahead(t)
-        if self._can_start(t, ahead, now):
+        not_now = self._not_now(t, ahead, now)
+        if not_now is None:
             self._start(t, now)
             return
-        rejection = self._wait_rejection(t, ahead, now)
+        rejection = self._wait_rejection(t, ahead, now, not_now)
         if rejection is not None:
             raise self.count(rejection)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -498,7 +470,7 @@ class AdmissionGate:
                 return  # nothing queued, or only tenants at their cap: a release wakes them
             t, waiter = found
             now = self._clock()
-            if not self._takes_now(t, now):
+            if self._not_taken(t, now) is not None:
                 return  # head of line: more urgent requests are not overtaken
             self._queue = [e for e in self._queue if e[3] is not t]
             heapq.heapify(self._queue)
