@@ -28,12 +28,22 @@ def _bucket(concurrency: float) -> int:
 
 @dataclass
 class Ewma:
+    """An exponentially weighted mean. A sample's `weight` scales its say against the mean weight
+    of recent ones: a ratio measured over many units (a prompt's tokens) counts for more than one
+    measured over a few, whose noise the division magnifies."""
+
     alpha: float
     value: float | None = None
     samples: int = 0
+    weight: float = 1.0  # the mean weight of recent samples (a starting value counts as one sample)
 
-    def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+    def add(self, x: float, weight: float = 1.0) -> None:
+        if self.value is None:
+            self.value, self.weight = x, weight
+        else:
+            mean_weight = self.weight + self.alpha * (weight - self.weight)
+            self.value += self.alpha * weight / mean_weight * (x - self.value)
+            self.weight = mean_weight
         self.samples += 1
 
 
@@ -62,11 +72,11 @@ class ByConcurrency:
     half_life_s: float = STALE_HALF_LIFE_S
     clock: Callable[[], float] = time.monotonic
 
-    def add(self, concurrency: float, value: float) -> None:
+    def add(self, concurrency: float, value: float, weight: float = 1.0) -> None:
         level, now = _bucket(concurrency), self.clock()
         if level not in self.levels or now - self.updated.get(level, now) > self.max_age_s:
             self.levels[level] = Ewma(0.2)  # a forgotten level starts over from what it measures now
-        self.levels[level].add(value)
+        self.levels[level].add(value, weight)
         self.updated[level] = now
 
     def _known(self) -> list[tuple[int, float]]:
@@ -201,7 +211,10 @@ class ModelEstimates:
             if level <= LIGHT_CONCURRENCY:
                 self.prefill_fixed.add(prompt_tokens, prefill_ms)
             fixed = min(self.prefill_fixed_ms(), prefill_ms)
-            self.prefill_ms_per_token.add(level, (prefill_ms - fixed) / prompt_tokens)
+            # Weighted by its tokens: a prompt of a few tokens past its prefix cache measures the
+            # pass's jitter over a handful of tokens, and as a plain mean of ratios it priced every
+            # long prompt after it several times too slow.
+            self.prefill_ms_per_token.add(level, (prefill_ms - fixed) / prompt_tokens, weight=prompt_tokens)
             self.overhead_ms.add(max(0.0, ttft_ms - queue_ms - prefill_ms))
         if max_tokens > 0 and not cut_short:
             self.output_fraction.add(min(1.0, completion_tokens / max_tokens))

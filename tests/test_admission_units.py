@@ -72,6 +72,28 @@ def test_prefill_fixed_part_needs_spread_prompts_and_a_quiet_box():
     assert flat.prefill_fixed.intercept == pytest.approx(50.0, rel=0.05)  # at most half a mean prefill: a length still costs
 
 
+def test_a_few_tokens_past_the_prefix_cache_do_not_price_every_long_prompt_after_them():
+    """A chat turn whose system prompt the prefix cache holds computes a dozen tokens; its prefill
+    is the pass's fixed part plus jitter of tens of ms. As a plain mean of per-token ratios that
+    jitter, divided by a dozen, priced a 400-token RAG prompt seconds too slow and shed it where
+    FIFO answered in under a second. Weighted by the tokens each prefill computed, the long
+    prompts that measure the per-token cost decide it."""
+    from admission.estimates import ServiceEstimates
+
+    est = ServiceEstimates(50.0, 0.5)["m"]
+    est.seed_prefill(100.0, 0.5)  # the fixed part the replica timed at its start
+    rng = __import__("random").Random(7)
+    for i in range(40):
+        short = i % 4 != 3  # three short turns in four, as in a chat with a cached system prompt
+        tokens = 12 if short else 400
+        jitter = rng.uniform(0.0, 80.0)  # another model's step on the shared cores, a thread wake
+        est.observe(prompt_tokens=tokens, prefill_ms=100.0 + 0.8 * tokens + jitter, ttft_ms=0.0, queue_ms=0.0,
+                    completion_tokens=10, max_tokens=20, decode_ms=100.0, concurrency=3, start_concurrency=3)
+    truth = 100.0 + 0.8 * 400 + 40.0  # the mean jitter included
+    assert est.prefill_ms(400, 3) == pytest.approx(truth, rel=0.25)
+    assert est.prefill_ms(12, 3) == pytest.approx(100.0 + 0.8 * 12 + 40.0, rel=0.5)
+
+
 def _clocked_estimates(now: list[float]) -> tuple[ServiceEstimates, object]:
     estimates = ServiceEstimates(50.0, 0.1, max_age_s=30.0, half_life_s=90.0)
     est = estimates["m"]
