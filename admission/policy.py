@@ -199,7 +199,7 @@ class AdmissionPolicy:
             "seats": dict(gate.seats),
             "admitted": gate.admitted,
             "rejected": dict(gate.rejected),
-            "ttft_bias": {m: round(e.value, 3) for m, e in gate.calibration.ttft_bias.items() if e.value is not None},
+            "ttft_bias": {m: round(gate.bias(m), 3) for m in gate.calibration.ttft_bias},
             "ttft_tail_ms": round(gate.ttft_tail_ms(), 1),
             "estimates": self.estimates.snapshot(),
             "mode": self.config.mode,

@@ -6,13 +6,16 @@ misses in place)."""
 from __future__ import annotations
 
 import collections
+import math
 import time
 
 from admission.estimates import Ewma
 
 # Observed / predicted time to first token, learned from every admitted request, scales the
 # TTFT predictions within these bounds: the estimates are per concurrency level and miss what
-# else loads the box, or count a wait that did not come. Right at the median; the tail is
+# else loads the box, or count a wait that did not come. Right at the median, so averaged in log
+# terms: the ratios are skewed (a first token can come several times late, never below zero), and
+# their plain mean scaled most predictions past the first tokens they predict. The tail is
 # `ttft_tail_ms`'s.
 TTFT_BIAS_BOUNDS = (0.5, 3.0)
 # The spare a first token needs against its TTFT target: a high quantile (`ttft_tail_quantile`,
@@ -30,7 +33,8 @@ TTFT_TAIL_MAX_MS = 2000.0
 class TtftCalibration:
     def __init__(self, tail_quantile: float | None = 0.95, clock=time.monotonic) -> None:
         self._clock = clock
-        self.ttft_bias: dict[str, Ewma] = {}  # per model: observed / predicted time to first token once started
+        # per model: log(observed / predicted) time to first token once started
+        self.ttft_bias: dict[str, Ewma] = {}
         # (when, ms the first token came after its scaled prediction), for `tail_ms`
         self.tail_quantile = tail_quantile
         self.ttft_late: collections.deque[tuple[float, float]] = collections.deque(maxlen=TTFT_TAIL_WINDOW)
@@ -41,7 +45,7 @@ class TtftCalibration:
         own errors: the small model's and the target's differ)."""
         low, high = TTFT_BIAS_BOUNDS
         ewma = self.ttft_bias.get(model_id)
-        return min(high, max(low, (ewma.value if ewma is not None else None) or 1.0))
+        return min(high, max(low, math.exp(ewma.value) if ewma is not None and ewma.value is not None else 1.0))
 
     def tail_ms(self) -> float:
         """How late, at `tail_quantile`, the last 30 s of first tokens came against their
@@ -64,6 +68,7 @@ class TtftCalibration:
             # From 1 (no error known yet), not from the first sample: the first requests after a
             # start meet a cold box, and one first token 4x late set every later prediction of
             # that model at 3x, shedding requests at light load until it wore off.
-            self.ttft_bias.setdefault(model_id, Ewma(0.2, value=1.0)).add(min(4.0, observed_s * scale / predicted_s))
+            ratio = min(4.0, max(0.1, observed_s * scale / predicted_s))
+            self.ttft_bias.setdefault(model_id, Ewma(0.2, value=0.0)).add(math.log(ratio))
             self.ttft_late.append((self._clock(), (observed_s - predicted_s) * 1000))
             self._tail = None
