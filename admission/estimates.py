@@ -199,13 +199,18 @@ class ModelEstimates:
     def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
                 completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,
                 start_concurrency: float | None = None, chunks: int = 0, cut_short: bool = False,
-                behind_step: bool = False) -> None:
+                behind_step: bool = False, longest_step_ms: float | None = None) -> None:
         """One request's service times. `cut_short`: its client left mid-answer, so its length says
         nothing of the model's (output fraction untouched), while its steps so far were real.
         `behind_step`: it started beside requests running on its model with no prefill ahead of
-        it, so its `queue_ms` was the wait for the step in progress."""
+        it, so its `queue_ms` was the wait for the step in progress, which is at most
+        `longest_step_ms` (the slowest model's step at that concurrency: the models share the
+        cores). A longer wait was for a prefill this ingress did not know of (another ingress's),
+        which no prediction here can see coming: learned as the step's wait, one such prompt
+        set a level's wait at many steps, and every prompt after it was predicted that late."""
         if behind_step and start_concurrency is not None:
-            self.prompt_wait.add(start_concurrency - 1, queue_ms)
+            wait = queue_ms if longest_step_ms is None else min(queue_ms, longest_step_ms)
+            self.prompt_wait.add(start_concurrency - 1, wait)
         if prefill_ms is not None and prompt_tokens > 0:
             level = start_concurrency or concurrency
             if level <= LIGHT_CONCURRENCY:

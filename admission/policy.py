@@ -152,6 +152,7 @@ class AdmissionPolicy:
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
             concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks, cut_short=cut_short,
             behind_step=ticket.behind_step,
+            longest_step_ms=max(e.step_ms(ticket.concurrency_at_start) for e in self.estimates.models.values()),
         )
 
     def seed_prefill(self, model_id: str, fixed_ms: float, per_token_ms: float) -> None:

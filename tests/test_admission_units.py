@@ -641,6 +641,33 @@ def test_a_new_prefill_is_predicted_to_wait_as_long_as_prompts_were_seen_to_wait
     assert not behind_prefill.behind_step, "its queue wait was for the prefill ahead, priced apart"
 
 
+def test_a_prompt_that_waited_for_a_prefill_this_ingress_did_not_know_of_is_not_the_steps_wait():
+    """Two ingress replicas each see their own requests only. A prompt that started beside a
+    running request with no prefill ahead, as this ingress knew it, waited 580 ms in the small
+    model's queue: the other ingress's RAG prompt held the shared cores. Learned as the wait for
+    the step in progress, it priced every later prompt beside one request 580 ms late on a model
+    whose step is 12 ms. The wait for a step is at most the slowest model's step."""
+    from admission.policy import AdmissionPolicy
+
+    policy = AdmissionPolicy(AdmissionConfig(max_inflight=8, prior_itl_ms=10.0, prior_prefill_ms_per_token=1.0))
+    gate = policy.gate
+    small, large = gate.estimates["small"], gate.estimates["large"]
+    for est, step_ms in ((small, 12.0), (large, 60.0)):
+        for _ in range(3):
+            est.observe(prompt_tokens=100, prefill_ms=100.0, ttft_ms=100.0, queue_ms=0.0, completion_tokens=11,
+                        max_tokens=16, decode_ms=10 * step_ms, concurrency=2, chunks=10)
+    running = Ticket("small", "t", 0, 10, 10)
+    asyncio.run(gate.acquire(running))
+    running.prefilled = True
+    newcomer = Ticket("small", "t", 0, 100, 16, deadline=time.monotonic() + 60)
+    asyncio.run(gate.acquire(newcomer))
+    assert newcomer.behind_step
+    policy.observe(newcomer, ttft_ms=700.0, queue_ms=580.0, prefill_ms=100.0, completion_tokens=8,
+                   total_ms=800.0, chunks=2)
+    assert small.prompt_wait_ms(1) == pytest.approx(large.step_ms(2)), "at most a step of the slowest model"
+    assert gate._service_ms(Ticket("small", "t", 0, 100, 16), 2)[0] < small.prefill_ms(100, 2) + 100.0
+
+
 def test_a_shed_says_which_rule_kept_it_from_starting_at_once():
     """A 503 says why the request could not start now, so a client (and bench load's false-shed
     detail) can tell a full service from a pacing rule or a running request's deadline."""
