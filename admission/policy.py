@@ -151,9 +151,14 @@ class AdmissionPolicy:
             queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
             concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks, cut_short=cut_short,
-            behind_step=ticket.behind_step,
-            longest_step_ms=max(e.step_ms(ticket.concurrency_at_start) for e in self.estimates.models.values()),
+            behind_step=ticket.behind_step, longest_step_ms=self._longest_step_ms(ticket) if ticket.behind_step else None,
         )
+
+    def _longest_step_ms(self, ticket: Ticket) -> float:
+        """The longest step a prompt started beside running requests could wait for: its own
+        model's, or the slowest model's where the models share the cores."""
+        models = self.estimates.models.values() if self.gate.shared_cores else [self.estimates[ticket.model_id]]
+        return max(e.step_ms(ticket.concurrency_at_start) for e in models)
 
     def seed_prefill(self, model_id: str, fixed_ms: float, per_token_ms: float) -> None:
         """The prefill cost the model's replica timed at its start: the prior of its

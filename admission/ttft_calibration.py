@@ -45,7 +45,7 @@ class TtftCalibration:
         own errors: the small model's and the target's differ)."""
         low, high = TTFT_BIAS_BOUNDS
         ewma = self.ttft_bias.get(model_id)
-        return min(high, max(low, math.exp(ewma.value) if ewma is not None and ewma.value is not None else 1.0))
+        return min(high, max(low, math.exp(ewma.value) if ewma is not None else 1.0))  # starts at log 1
 
     def tail_ms(self) -> float:
         """How late, at `tail_quantile`, the last 30 s of first tokens came against their

@@ -651,6 +651,7 @@ def test_a_prompt_that_waited_for_a_prefill_this_ingress_did_not_know_of_is_not_
 
     policy = AdmissionPolicy(AdmissionConfig(max_inflight=8, prior_itl_ms=10.0, prior_prefill_ms_per_token=1.0))
     gate = policy.gate
+    gate.shared_cores = True  # the CPU profile (host tuning on): both models on the box's cores
     small, large = gate.estimates["small"], gate.estimates["large"]
     for est, step_ms in ((small, 12.0), (large, 60.0)):
         for _ in range(3):
@@ -666,6 +667,14 @@ def test_a_prompt_that_waited_for_a_prefill_this_ingress_did_not_know_of_is_not_
                    total_ms=800.0, chunks=2)
     assert small.prompt_wait_ms(1) == pytest.approx(large.step_ms(2)), "at most a step of the slowest model"
     assert gate._service_ms(Ticket("small", "t", 0, 100, 16), 2)[0] < small.prefill_ms(100, 2) + 100.0
+    gate.release(newcomer)
+    gate.shared_cores = False  # each model on cores of its own: only its own step is in the way
+    later = Ticket("small", "t", 0, 100, 16, deadline=time.monotonic() + 60)
+    asyncio.run(gate.acquire(later))
+    assert later.behind_step
+    policy.observe(later, ttft_ms=700.0, queue_ms=580.0, prefill_ms=100.0, completion_tokens=8,
+                   total_ms=800.0, chunks=2)
+    assert small.prompt_wait_ms(1) < large.step_ms(2)
 
 
 def test_a_shed_says_which_rule_kept_it_from_starting_at_once():
