@@ -703,16 +703,20 @@ def test_a_draft_catches_up_from_the_prefix_its_engine_keeps_and_drafts_as_from_
     second = _chat_ids(tok, [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Can I share a plan?"}])
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared >= 2 * ModelDraft.CATCH_UP_CHUNK, shared  # else the catch-up runs whole anyway
-    params = SamplingParams(max_tokens=8, temperature=0.0)
+    # Sampled, for the distribution the draft draws its first token from: this question is a
+    # near-tie between two answers, which a reduced-precision pass over a different split of the
+    # prompt may order either way, so the greedy tokens alone would not say whether it saw the
+    # same context.
+    params = SamplingParams(max_tokens=8, temperature=1.0)
 
-    def draft(ids) -> tuple[int, list[int], int]:
+    def draft(ids) -> tuple[int, torch.Tensor, int]:
         drafter = ModelDraft(engine)
         state = drafter.begin(ids)
         catch_up = drafter.catch_up(state, ids)
         hits = engine.prefix_cache.hit_tokens
-        tokens = drafter.propose(state, ids, 4, params, None).tokens
+        probs = drafter.propose(state, ids, 1, params, torch.Generator().manual_seed(0)).probs
         drafter.end(state)
-        return catch_up, tokens, engine.prefix_cache.hit_tokens - hits
+        return catch_up, probs[0], engine.prefix_cache.hit_tokens - hits
 
     def run():
         engine.forget_prefixes()
@@ -722,10 +726,12 @@ def test_a_draft_catches_up_from_the_prefix_its_engine_keeps_and_drafts_as_from_
         draft(first)  # an earlier request leaves its KV
         return leftover, cold, draft(second)
 
-    leftover, (cold_catch_up, cold_tokens, _), (catch_up, tokens, reused) = spec_service.executor.submit(run).result()
+    leftover, (cold_catch_up, cold, _), (catch_up, warm, reused) = spec_service.executor.submit(run).result()
     assert leftover < ModelDraft.CATCH_UP_CHUNK and cold_catch_up == len(second) - leftover
     assert catch_up <= len(second) - shared and reused >= shared, (catch_up, reused, shared)
-    assert sum(a == b for a, b in zip(tokens, cold_tokens)) >= 3, (tokens, cold_tokens)
+    # The other question's context moves this distribution by over half its mass; the same
+    # context split differently, by a few hundredths.
+    assert float((warm - cold).abs().sum()) / 2 < 0.1, float((warm - cold).abs().sum()) / 2
 
 
 def test_a_probe_never_starts_a_model_draft_the_plan_declined(spec_service):
