@@ -194,10 +194,9 @@ def _default_tiers() -> dict[str, TierConfig]:
         # A client that names no tier: served whenever the answer can come within the deadline,
         # queued meanwhile; never refused for a first-token target it did not ask for.
         "standard": TierConfig(priority=0, e2e_ms=60_000, downgrade=True, tpot_ms=200),
-        # Asked for (x-slo-tier, or a tenant's tier): a first token within 1 s, or a 503 soon: it
-        # waits for a slot only as long as a fraction of its target.
-        "interactive": TierConfig(priority=0, ttft_ms=1000, e2e_ms=15_000, downgrade=True, max_queue_ms=300,
-                                  tpot_ms=200),
+        # Asked for (x-slo-tier, or a tenant's tier): a first token within 1 s, or a 503 before
+        # it: it waits for a slot only while its first token can still come in time.
+        "interactive": TierConfig(priority=0, ttft_ms=1000, e2e_ms=15_000, downgrade=True, tpot_ms=200),
         "batch": TierConfig(priority=1, e2e_ms=120_000),
     }
 

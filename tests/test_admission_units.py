@@ -221,6 +221,39 @@ def test_gate_drops_a_queued_request_when_its_latest_start_passes_and_frees_canc
     asyncio.run(main())
 
 
+def test_the_shipped_interactive_tier_waits_for_a_slot_while_its_first_token_can_come_in_time():
+    """A request that asked for a first token within 1 s queues for a slot half a second away
+    and starts, in time: capped at a fraction of its target, the same request was turned away
+    where serving it in order met every target it had."""
+    from configs.serve_config import load_serve_config
+
+    tier = load_serve_config().args.admission.tiers["interactive"]
+
+    async def main():
+        gate = _gate(itl_ms=5, max_inflight=1)
+        running = _ticket(200, deadline_s=None)  # predicted 100 tokens x 5 ms: a slot in ~500 ms
+        await gate.acquire(running)
+
+        def interactive(max_queue_ms):
+            now = time.monotonic()
+            t = Ticket("m", "t", 0, 10, 20, deadline=now + tier.e2e_ms / 1000, ttft_deadline=now + tier.ttft_ms / 1000)
+            t.max_wait = None if max_queue_ms is None else max_queue_ms / 1000
+            return t
+
+        with pytest.raises(Rejection) as shed:
+            await gate.acquire(interactive(300))
+        assert shed.value.reason == "queue_wait_limit"
+
+        waiting = asyncio.create_task(gate.acquire(interactive(tier.max_queue_ms)))
+        await asyncio.sleep(0.45)
+        assert not waiting.done() and gate.queued == 1, "past 0.3 s it still waits: its first token can come in time"
+        gate.release(running)
+        await asyncio.wait_for(waiting, 0.1)
+        assert gate.inflight == 1
+
+    asyncio.run(main())
+
+
 def test_a_tier_queue_wait_limit_sheds_at_arrival_or_leaves_the_queue_when_it_passes():
     """max_queue_ms: queued only for a slot predicted within it, shed when it passes, where
     without the limit the same request would wait on for its (unbounded) deadline."""
