@@ -410,7 +410,8 @@ class AdmissionGate:
         heapq.heappush(self._queue, entry)
         # The latest start that can still meet its deadlines: past it, it is dropped unserved.
         first_ms, last_ms = self._service_ms(t, max(1, self.concurrency()))
-        latest = min((t.deadline or INF) - last_ms / 1000, (t.ttft_deadline or INF) - first_ms / 1000)
+        by_deadline, by_first = (t.deadline or INF) - last_ms / 1000, (t.ttft_deadline or INF) - first_ms / 1000
+        latest = min(by_deadline, by_first)
         timeout = None if latest == INF else max(0.0, latest - now)
         capped = t.max_wait is not None and (timeout is None or t.max_wait < timeout)
         if capped:
@@ -423,7 +424,8 @@ class AdmissionGate:
             waiter.cancel()
             reason, message = (
                 ("queue_timeout", "no slot freed within this tier's queue-wait limit") if capped
-                else ("deadline_in_queue", "the request's deadline could no longer be met while it waited")
+                else ("deadline_in_queue", "the request's first-token target could no longer be met while it waited"
+                      if by_first < by_deadline else "the request's deadline could no longer be met while it waited")
             )
             raise self.count(self.reject(
                 reason, message, t, len(ahead), waited_ms=(self._clock() - now) * 1000,
