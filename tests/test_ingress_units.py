@@ -216,4 +216,4 @@ def test_a_refusal_for_the_tenants_own_limit_is_held_and_a_load_shed_is_not():
     assert held.retry_after_s == 0 and held.details["retry_after_s"] == 0
     load = AdmissionError("shed", "at capacity", "queue_full", retry_after_s=2)
     same, took = asyncio.run(timed(load, 5.0))
-    assert same is load and took < 0.05
+    assert same is load and took < 0.5, "not held"
