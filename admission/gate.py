@@ -23,7 +23,7 @@ tenant. Every first token calibrates its model's next predictions (ttft_calibrat
 why of each rule: docs/admission.md.
 
 Concurrency counts every model's running requests: on one box the models share the cores, so
-each model's ITL is learned against the total.
+each model's ITL is learned against the total, apart beside another model's (occupancy.py).
 """
 
 from __future__ import annotations
@@ -96,6 +96,14 @@ class AdmissionGate:
     def running_by_model(self) -> dict[str, int]:
         return dict(Counter(t.model_id for t in self.running))
 
+    def _box_by_model(self) -> Counter:  # here and (as last synced) on the other ingresses
+        return Counter(t.model_id for t in self.running) + Counter(self.others_inflight)
+
+    def beside(self, model_id: str, starting: str | None = None) -> bool:
+        """Would `model_id` share the cores with another model's requests (or `starting`'s)?"""
+        others = starting not in (None, model_id) or any(n for m, n in self._box_by_model().items() if m != model_id)
+        return self.shared_cores and others
+
     def queued_by_model(self) -> dict[str, int]:
         return dict(Counter(t.model_id for *_, t, waiter in self._queue if not waiter.done()))
 
@@ -140,7 +148,7 @@ class AdmissionGate:
         self.max_queued = max(0, max_queued)
         if others_inflight is not None:
             self.others_inflight = dict(others_inflight)
-            self.occupancy.set(self.concurrency())
+            self.occupancy.set(self._box_by_model())
         self._wake()
 
     # ------------------------------------------------------------------ prediction
@@ -148,7 +156,7 @@ class AdmissionGate:
     def _service_ms(self, t: Ticket, concurrency: float) -> tuple[float, float]:
         """(time to first token, time to last token) once started, at this concurrency."""
         est = self.estimates[t.model_id]
-        itl = est.itl_ms(concurrency)
+        itl = est.itl_ms(concurrency, self.beside(t.model_id))
         # The engine finishes the step in progress before it prefills a new sequence: as long as
         # new prompts were seen to wait for one (a draft stops for a waiting prompt).
         step = est.prompt_wait_ms(concurrency - 1) if concurrency > 1 and not self.model_idle(t.model_id) else 0.0
@@ -208,7 +216,8 @@ class AdmissionGate:
             if r.deadline is None:
                 continue
             est = self.estimates[r.model_id]
-            slowdown = est.itl_ms(c) / max(1e-6, est.itl_ms(r.concurrency_at_start))
+            now_beside, then_beside = self.beside(r.model_id), self.beside(r.model_id, t.model_id)
+            slowdown = est.itl_ms(c, then_beside) / max(1e-6, est.itl_ms(r.concurrency_at_start, now_beside))
             if now + max(0.0, r.finish_at - now) * slowdown + stall > r.deadline:
                 return "running_deadline"
         return None
@@ -223,7 +232,7 @@ class AdmissionGate:
             if r.tpot_ms is None:
                 continue
             if r.model_id not in itl:
-                itl[r.model_id] = self.estimates[r.model_id].itl_ms(concurrency) * self.safety
+                itl[r.model_id] = self.estimates[r.model_id].itl_ms(concurrency, self.beside(r.model_id, t.model_id)) * self.safety
             if itl[r.model_id] > r.tpot_ms:
                 return False
         return True
@@ -239,7 +248,7 @@ class AdmissionGate:
         idle_box = self.concurrency() == 0
         if not idle_box and not self.model_idle(t.model_id):
             return False
-        if self.estimates[t.model_id].itl.levels == {}:
+        if not self.estimates[t.model_id].decode_observed:
             return True  # nothing observed yet: try it, and learn
         first_ms, _ = self._service_ms(t, self.concurrency() + 1)
         first_ms += self._prefills_ahead_ms(now, t.model_id)
@@ -442,7 +451,7 @@ class AdmissionGate:
 
     def release(self, t: Ticket) -> None:
         self.running.discard(t)
-        self.occupancy.set(self.concurrency())
+        self.occupancy.set(self._box_by_model())
         self._wake()
 
     def count(self, rejection: Rejection) -> Rejection:
@@ -459,7 +468,7 @@ class AdmissionGate:
         t.first_at, t.finish_at = now + ahead_s + first_ms / 1000, now + ahead_s + last_ms / 1000
         t.behind_step = c > 1 and not self.model_idle(t.model_id) and ahead_s == 0
         self.running.add(t)
-        self.occupancy.set(self.concurrency())
+        self.occupancy.set(self._box_by_model())
         self.admitted += 1
 
     def _wake(self) -> None:

@@ -1096,6 +1096,83 @@ async def _fill(gate: AdmissionGate, n: int, tenant: str) -> None:
         await gate.acquire(Ticket("m", "t", 0, 10, 20, tenant=tenant))
 
 
+def test_a_decode_beside_another_models_requests_is_filed_apart_on_shared_cores():
+    """On shared cores a step of one model beside the other model's decoding waits for the
+    other's passes: a request on the large model that decoded while the small one ran others
+    is filed apart from one that had the cores to its model, at the same count."""
+    from admission.occupancy import Occupancy
+    from admission.policy import AdmissionPolicy
+    from admission.request import RequestContext
+
+    now = [1000.0]
+    policy = AdmissionPolicy(AdmissionConfig())
+    gate = policy.gate
+    gate.shared_cores, gate._clock, gate.occupancy = True, (lambda: now[0]), Occupancy(lambda: now[0])
+    ctx, tier = RequestContext("r1", "a", "standard", None), policy.config.tiers["standard"]
+
+    def decode(model: str, beside_for_s: float, itl_ms: float) -> None:
+        t = policy.ticket("large", ctx, tier, list(range(10)), 101)
+        gate._start(t, now[0])
+        now[0] += 0.1
+        gate.first_token(t)
+        others = [policy.ticket(model, ctx, tier, list(range(10)), 50) for _ in range(3)]
+        for o in others:
+            gate._start(o, now[0])
+        now[0] += beside_for_s
+        for o in others:
+            gate.release(o)
+        now[0] += 10.0 - beside_for_s
+        policy.observe(t, ttft_ms=100.0, queue_ms=0.0, prefill_ms=50.0, completion_tokens=101,
+                       total_ms=100.0 + 100 * itl_ms, chunks=100)
+        gate.release(t)
+
+    est = policy.estimates["large"]
+    decode("large", 9.0, 30.0)  # three more on its own model: the cores were its model's
+    decode("small", 9.0, 80.0)  # three on the small model beside it for 9 of its 10 s
+    decode("small", 2.0, 31.0)  # beside them for 2 s only (1.6 on the box on average): filed as alone
+    assert est.itl.snapshot() == {2: 31.0, 4: 30.0} and est.itl_beside.snapshot() == {4: 80.0}
+    assert est.itl_ms(4) == 30.0 and est.itl_ms(4, beside=True) == 80.0
+    gate.shared_cores = False  # each model on cores of its own: nothing to file apart
+    decode("small", 9.0, 35.0)
+    assert est.itl_beside.levels[4].samples == 1
+
+
+def test_on_a_busy_box_a_request_stays_off_a_model_that_would_decode_beside_the_other():
+    """The large model alone steps faster than the small one at four sequences (it speculates),
+    but beside the small model's decoding each of its steps waits for the small one's: with three
+    requests running on the small model, the idle large one is predicted at its beside cost and
+    a hard request goes small (busy_box_downgrade). With three on the large model instead, the
+    request stays there: the box serves from one model."""
+    from admission.model_choice import ModelChoice
+    from admission.policy import AdmissionPolicy
+
+    policy = AdmissionPolicy(AdmissionConfig())
+    gate = policy.gate
+    gate.shared_cores, gate.seats = True, {"small": 16, "large": 8}
+    for model, itl_ms, beside in (("large", 30.0, False), ("small", 40.0, False), ("large", 80.0, True)):
+        for _ in range(3):
+            policy.estimates[model].observe(prompt_tokens=10, prefill_ms=5.0, ttft_ms=10.0, queue_ms=0.0,
+                                            completion_tokens=65, max_tokens=64, decode_ms=64 * itl_ms,
+                                            concurrency=4, beside=beside)
+    choice = ModelChoice(gate, "large", "small", busy_from=1)
+
+    def hard() -> tuple[Ticket, Ticket]:
+        return Ticket("large", "standard", 0, 10, 64), Ticket("small", "standard", 0, 10, 64)
+
+    running = [Ticket(m, "standard", 0, 10, 64) for m in ("small",) * 3]
+    for r in running:
+        gate._start(r, time.monotonic())
+    large, small = hard()
+    assert gate.predicted(large).e2e_ms > 1.5 * gate.predicted(small).e2e_ms
+    assert choice.choose(large, small, downgrade=True).reason == "busy_box_downgrade"
+    for r in running:
+        gate.release(r)
+    for r in [Ticket("large", "standard", 0, 10, 64) for _ in range(3)]:
+        gate._start(r, time.monotonic())
+    large, small = hard()
+    assert choice.choose(large, small, downgrade=True).reason is None
+
+
 def test_seats_held_by_other_replicas_are_not_predicted_free_now():
     """Every seat of the small model is held by the other ingress replica's requests, known here
     only as a count: a request for it is predicted to wait as long as it would take itself, so an
