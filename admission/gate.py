@@ -99,10 +99,14 @@ class AdmissionGate:
     def _box_by_model(self) -> Counter:  # here and (as last synced) on the other ingresses
         return Counter(t.model_id for t in self.running) + Counter(self.others_inflight)
 
-    def beside(self, model_id: str, starting: str | None = None) -> bool:
-        """Would `model_id` share the cores with another model's requests (or `starting`'s)?"""
-        others = starting not in (None, model_id) or any(n for m, n in self._box_by_model().items() if m != model_id)
-        return self.shared_cores and others
+    def beside(self, model_id: str, starting: str | None = None, for_s: float = 0.0) -> bool:
+        """Would `model_id` share the cores with another model's requests (or `starting`'s) for
+        `for_s` seconds more? Another ingress's are known as counts only: they count as staying."""
+        if not self.shared_cores or starting not in (None, model_id):
+            return self.shared_cores
+        now = self._clock()
+        return any(n for m, n in self.others_inflight.items() if m != model_id) or any(
+            self._finish_estimate(r, now) >= now + for_s for r in self.running if r.model_id != model_id)
 
     def queued_by_model(self) -> dict[str, int]:
         return dict(Counter(t.model_id for *_, t, waiter in self._queue if not waiter.done()))
@@ -156,7 +160,10 @@ class AdmissionGate:
     def _service_ms(self, t: Ticket, concurrency: float) -> tuple[float, float]:
         """(time to first token, time to last token) once started, at this concurrency."""
         est = self.estimates[t.model_id]
-        itl = est.itl_ms(concurrency, self.beside(t.model_id))
+        # Priced beside another model's requests if they are to run for most of its decode: the
+        # box is moving from them (a busy box's new requests go to one model), they end first.
+        alone_s = est.expected_tokens(t.max_tokens) * est.itl_ms(concurrency) / 1000
+        itl = est.itl_ms(concurrency, self.beside(t.model_id, for_s=alone_s / 2))
         # The engine finishes the step in progress before it prefills a new sequence: as long as
         # new prompts were seen to wait for one (a draft stops for a waiting prompt).
         step = est.prompt_wait_ms(concurrency - 1) if concurrency > 1 and not self.model_idle(t.model_id) else 0.0

@@ -9,8 +9,11 @@
 3. Mixed load through the whole graph (openai SDK, streaming, loopback, cache off so every
    request generates): the held-out requests, easy and hard mixed, sent by a closed loop of
    `concurrency` clients once with `model=<target>` (all-to-target) and once with
-   `model=auto` (routed), alternating in rounds so noise hits both alike.
-   `latency_gain_vs_all_target` = mean end-to-end latency all-to-target / routed.
+   `model=auto` (routed), and once with `model=<small>` (all-to-small), alternating in rounds
+   so noise hits all three alike. `latency_gain_vs_all_target` = mean end-to-end latency
+   all-to-target / routed; `all_small_gain_vs_all_target` = all-to-target / all-to-small, what
+   routing would gain if every request, hard ones too, ran on the small model: on this box the
+   most routing can buy.
 """
 
 from __future__ import annotations
@@ -146,25 +149,28 @@ def mixed_load(requests: int, concurrency: int, max_tokens: int, rounds: int) ->
     rng.shuffle(held_out)
     workload = [([{"role": "user", "content": e.text}], e.label) for e in held_out[:requests]]
     per_round = [workload[i::rounds] for i in range(rounds)]
-    phases: dict[str, list[dict]] = {"all_to_target": [], "routed": []}
+    phases: dict[str, list[dict]] = {"all_to_target": [], "routed": [], "all_to_small": []}
     with running_service(serve_file) as base:
         warm = [([{"role": "user", "content": "Hello!"}], "easy")] * 2
-        with tqdm(total=2 * len(workload) + 4, desc="route: mixed load", unit="req") as bar:
+        with tqdm(total=len(phases) * len(workload) + 4, desc="route: mixed load", unit="req") as bar:
             asyncio.run(_closed_loop(base, target, warm, 1, 8, bar))
             asyncio.run(_closed_loop(base, small, warm, 1, 8, bar))
             for part in per_round:
-                for name, model in (("all_to_target", target), ("routed", auto)):
+                for name, model in (("all_to_target", target), ("routed", auto), ("all_to_small", small)):
                     phases[name].extend(asyncio.run(_closed_loop(base, model, part, concurrency, max_tokens, bar)))
         router_health = httpx.get(base + "/health", timeout=10).json().get("router", {})
     target_mean = statistics.fmean(r["e2e_ms"] for r in phases["all_to_target"])
     routed_mean = statistics.fmean(r["e2e_ms"] for r in phases["routed"])
+    small_mean = statistics.fmean(r["e2e_ms"] for r in phases["all_to_small"])
     routed = phases["routed"]
     return {
         "config": {"requests": len(workload), "concurrency": concurrency, "max_tokens": max_tokens, "rounds": rounds,
                    "hard_share": round(sum(lab == "hard" for _, lab in workload) / len(workload), 3)},
         "all_to_target": _phase_summary(phases["all_to_target"], small),
         "routed": _phase_summary(routed, small),
+        "all_to_small": _phase_summary(phases["all_to_small"], small),
         "latency_gain_vs_all_target": round(target_mean / routed_mean, 3),
+        "all_small_gain_vs_all_target": round(target_mean / small_mean, 3),
         "stack_route_ms": summary([r["route_ms"] for r in routed if r["route_ms"] == r["route_ms"]]),
         "stack_embed_ms": summary([r["embed_ms"] for r in routed if r["embed_ms"] == r["embed_ms"]]),
         "router_health": router_health,
@@ -189,6 +195,7 @@ def run(requests: int = 48, max_tokens: int = 64, concurrency: int = 4, rounds: 
         "accuracy": q["accuracy"],
         "hard_to_small_rate": q["hard_to_small_rate"],
         "latency_gain_vs_all_target": load["latency_gain_vs_all_target"],
+        "all_small_gain_vs_all_target": load["all_small_gain_vs_all_target"],
         "route_p99_ms": cost["p99"],
         "quality": q,
         "route_cost_in_process_ms": cost,

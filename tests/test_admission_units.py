@@ -1137,40 +1137,45 @@ def test_a_decode_beside_another_models_requests_is_filed_apart_on_shared_cores(
     assert est.itl_beside.levels[4].samples == 1
 
 
-def test_on_a_busy_box_a_request_stays_off_a_model_that_would_decode_beside_the_other():
-    """The large model alone steps faster than the small one at four sequences (it speculates),
-    but beside the small model's decoding each of its steps waits for the small one's: with three
-    requests running on the small model, the idle large one is predicted at its beside cost and
-    a hard request goes small (busy_box_downgrade). With three on the large model instead, the
-    request stays there: the box serves from one model."""
+def test_on_a_busy_box_a_request_is_priced_beside_the_other_models_requests_while_they_last():
+    """The large model alone steps nearly as fast as the small one at four sequences (it
+    speculates), but beside the other model's decoding each model's steps wait for the other's.
+    With three long requests on the small model, the idle large one is priced at its beside cost
+    and a hard request goes small (busy_box_downgrade). With three long ones on the large model
+    it stays there: the box serves from one model. With the large model's three about to end,
+    the small one is priced alone and takes it: the box moves to the small model as the large
+    one finishes what it runs."""
     from admission.model_choice import ModelChoice
     from admission.policy import AdmissionPolicy
 
     policy = AdmissionPolicy(AdmissionConfig())
     gate = policy.gate
     gate.shared_cores, gate.seats = True, {"small": 16, "large": 8}
-    for model, itl_ms, beside in (("large", 30.0, False), ("small", 40.0, False), ("large", 80.0, True)):
+    learned = (("large", 30.0, False), ("small", 25.0, False), ("large", 80.0, True), ("small", 60.0, True))
+    for model, itl_ms, beside in learned:
         for _ in range(3):
             policy.estimates[model].observe(prompt_tokens=10, prefill_ms=5.0, ttft_ms=10.0, queue_ms=0.0,
                                             completion_tokens=65, max_tokens=64, decode_ms=64 * itl_ms,
                                             concurrency=4, beside=beside)
     choice = ModelChoice(gate, "large", "small", busy_from=1)
 
-    def hard() -> tuple[Ticket, Ticket]:
-        return Ticket("large", "standard", 0, 10, 64), Ticket("small", "standard", 0, 10, 64)
+    def moved_with(model: str, ending_in_s: float | None = None) -> str | None:
+        running = [Ticket(model, "standard", 0, 10, 64) for _ in range(3)]
+        for r in running:
+            gate._start(r, time.monotonic())
+            if ending_in_s is not None:
+                r.first_at, r.finish_at = time.monotonic(), time.monotonic() + ending_in_s
+        reason = choice.choose(Ticket("large", "standard", 0, 10, 64), Ticket("small", "standard", 0, 10, 64),
+                               downgrade=True).reason
+        for r in running:
+            gate.release(r)
+        return reason
 
-    running = [Ticket(m, "standard", 0, 10, 64) for m in ("small",) * 3]
-    for r in running:
-        gate._start(r, time.monotonic())
-    large, small = hard()
-    assert gate.predicted(large).e2e_ms > 1.5 * gate.predicted(small).e2e_ms
-    assert choice.choose(large, small, downgrade=True).reason == "busy_box_downgrade"
-    for r in running:
-        gate.release(r)
-    for r in [Ticket("large", "standard", 0, 10, 64) for _ in range(3)]:
-        gate._start(r, time.monotonic())
-    large, small = hard()
-    assert choice.choose(large, small, downgrade=True).reason is None
+    assert moved_with("small") == "busy_box_downgrade"
+    assert moved_with("large") is None
+    assert moved_with("large", ending_in_s=0.1) == "busy_box_downgrade"
+    gate.shared_cores = False  # each model on cores of its own: the small one is priced alone
+    assert moved_with("large") == "busy_box_downgrade"
 
 
 def test_seats_held_by_other_replicas_are_not_predicted_free_now():
