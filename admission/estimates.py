@@ -178,9 +178,6 @@ class ModelEstimates:
     overhead_ms: Ewma = field(default_factory=lambda: Ewma(0.2))  # time to first token beyond prefill
     output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
     itl: ByConcurrency = field(default_factory=ByConcurrency)
-    # Decode beside another model's requests on shared cores (admission/occupancy.py): each of
-    # its steps waits for the other model's passes, so the same count costs more than alone.
-    itl_beside: ByConcurrency = field(default_factory=ByConcurrency)
     # Time between a request's chunks: one engine step (a batched decode step, or a speculative
     # round of several tokens). A new request's prefill waits for the step in progress, which
     # for a lone speculating request is several ITLs long.
@@ -196,13 +193,13 @@ class ModelEstimates:
     half_life_s: float = STALE_HALF_LIFE_S
 
     def __post_init__(self) -> None:
-        for by in self.prefill_ms_per_token, self.itl, self.itl_beside, self.step, self.prompt_wait:
+        for by in self.prefill_ms_per_token, self.itl, self.step, self.prompt_wait:
             by.max_age_s, by.half_life_s = self.max_age_s, self.half_life_s
 
     def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
                 completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,
                 start_concurrency: float | None = None, chunks: int = 0, cut_short: bool = False,
-                behind_step: bool = False, longest_step_ms: float | None = None, beside: bool = False) -> None:
+                behind_step: bool = False, longest_step_ms: float | None = None) -> None:
         """One request's service times. `cut_short`: its client left mid-answer, so its length says
         nothing of the model's (output fraction untouched), while its steps so far were real.
         `behind_step`: it started beside requests running on its model with no prefill ahead of
@@ -210,8 +207,7 @@ class ModelEstimates:
         `longest_step_ms` (the slowest model's step at that concurrency: the models share the
         cores). A longer wait was for a prefill this ingress did not know of (another ingress's),
         which no prediction here can see coming: learned as the step's wait, one such prompt
-        set a level's wait at many steps, and every prompt after it was predicted that late.
-        `beside`: another model decoded on the shared cores for most of its decode."""
+        set a level's wait at many steps, and every prompt after it was predicted that late."""
         if behind_step and start_concurrency is not None:
             wait = queue_ms if longest_step_ms is None else min(queue_ms, longest_step_ms)
             self.prompt_wait.add(start_concurrency - 1, wait)
@@ -228,7 +224,7 @@ class ModelEstimates:
         if max_tokens > 0 and not cut_short:
             self.output_fraction.add(min(1.0, completion_tokens / max_tokens))
         if completion_tokens > 1 and decode_ms > 0:
-            (self.itl_beside if beside else self.itl).add(concurrency, decode_ms / (completion_tokens - 1))
+            self.itl.add(concurrency, decode_ms / (completion_tokens - 1))
         if chunks > 0 and decode_ms > 0:
             self.step.add(concurrency, decode_ms / chunks)
 
@@ -252,16 +248,9 @@ class ModelEstimates:
         fraction = self.output_fraction.value if self.output_fraction.samples >= 3 else PRIOR_OUTPUT_FRACTION
         return max(1.0, fraction * max_tokens)
 
-    def itl_ms(self, concurrency: float, beside: bool = False) -> float:
-        """Decode ms/token with this many sequences in flight (on the box), `beside` another
-        model's requests on shared cores or not; from the other table while this one has
-        nothing observed."""
-        mine, other = (self.itl_beside, self.itl) if beside else (self.itl, self.itl_beside)
-        return (mine if mine.levels or not other.levels else other).at(concurrency, self.prior_itl_ms)
-
-    @property
-    def decode_observed(self) -> bool:
-        return bool(self.itl.levels or self.itl_beside.levels)
+    def itl_ms(self, concurrency: float) -> float:
+        """Decode ms/token with this many sequences in flight (on the box)."""
+        return self.itl.at(concurrency, self.prior_itl_ms)
 
     def step_ms(self, concurrency: float) -> float:
         """One engine step with this many sequences in flight (until observed: one ITL)."""
@@ -285,7 +274,6 @@ class ModelEstimates:
             "overhead_ms": _round(self.overhead_ms.value),
             "output_fraction": _round(self.output_fraction.value),
             "itl_ms_by_concurrency": self.itl.snapshot(),
-            "itl_beside_ms_by_concurrency": self.itl_beside.snapshot(),
             "completions": self.output_fraction.samples,
         }
 

@@ -23,7 +23,7 @@ tenant. Every first token calibrates its model's next predictions (ttft_calibrat
 why of each rule: docs/admission.md.
 
 Concurrency counts every model's running requests: on one box the models share the cores, so
-each model's ITL is learned against the total, apart beside another model's (occupancy.py).
+each model's ITL is learned against the total.
 """
 
 from __future__ import annotations
@@ -96,18 +96,6 @@ class AdmissionGate:
     def running_by_model(self) -> dict[str, int]:
         return dict(Counter(t.model_id for t in self.running))
 
-    def _box_by_model(self) -> Counter:  # here and (as last synced) on the other ingresses
-        return Counter(t.model_id for t in self.running) + Counter(self.others_inflight)
-
-    def beside(self, model_id: str, starting: str | None = None, for_s: float = 0.0) -> bool:
-        """Would `model_id` share the cores with another model's requests (or `starting`'s) for
-        `for_s` seconds more? Another ingress's are known as counts only: they count as staying."""
-        if not self.shared_cores or starting not in (None, model_id):
-            return self.shared_cores
-        now = self._clock()
-        return any(n for m, n in self.others_inflight.items() if m != model_id) or any(
-            self._finish_estimate(r, now) >= now + for_s for r in self.running if r.model_id != model_id)
-
     def queued_by_model(self) -> dict[str, int]:
         return dict(Counter(t.model_id for *_, t, waiter in self._queue if not waiter.done()))
 
@@ -152,7 +140,7 @@ class AdmissionGate:
         self.max_queued = max(0, max_queued)
         if others_inflight is not None:
             self.others_inflight = dict(others_inflight)
-            self.occupancy.set(self._box_by_model())
+            self.occupancy.set(self.concurrency())
         self._wake()
 
     # ------------------------------------------------------------------ prediction
@@ -160,10 +148,7 @@ class AdmissionGate:
     def _service_ms(self, t: Ticket, concurrency: float) -> tuple[float, float]:
         """(time to first token, time to last token) once started, at this concurrency."""
         est = self.estimates[t.model_id]
-        # Priced beside another model's requests if they are to run for most of its decode: the
-        # box is moving from them (a busy box's new requests go to one model), they end first.
-        alone_s = est.expected_tokens(t.max_tokens) * est.itl_ms(concurrency) / 1000
-        itl = est.itl_ms(concurrency, self.beside(t.model_id, for_s=alone_s / 2))
+        itl = est.itl_ms(concurrency)
         # The engine finishes the step in progress before it prefills a new sequence: as long as
         # new prompts were seen to wait for one (a draft stops for a waiting prompt).
         step = est.prompt_wait_ms(concurrency - 1) if concurrency > 1 and not self.model_idle(t.model_id) else 0.0
@@ -223,8 +208,7 @@ class AdmissionGate:
             if r.deadline is None:
                 continue
             est = self.estimates[r.model_id]
-            now_beside, then_beside = self.beside(r.model_id), self.beside(r.model_id, t.model_id)
-            slowdown = est.itl_ms(c, then_beside) / max(1e-6, est.itl_ms(r.concurrency_at_start, now_beside))
+            slowdown = est.itl_ms(c) / max(1e-6, est.itl_ms(r.concurrency_at_start))
             if now + max(0.0, r.finish_at - now) * slowdown + stall > r.deadline:
                 return "running_deadline"
         return None
@@ -239,7 +223,7 @@ class AdmissionGate:
             if r.tpot_ms is None:
                 continue
             if r.model_id not in itl:
-                itl[r.model_id] = self.estimates[r.model_id].itl_ms(concurrency, self.beside(r.model_id, t.model_id)) * self.safety
+                itl[r.model_id] = self.estimates[r.model_id].itl_ms(concurrency) * self.safety
             if itl[r.model_id] > r.tpot_ms:
                 return False
         return True
@@ -255,7 +239,7 @@ class AdmissionGate:
         idle_box = self.concurrency() == 0
         if not idle_box and not self.model_idle(t.model_id):
             return False
-        if not self.estimates[t.model_id].decode_observed:
+        if self.estimates[t.model_id].itl.levels == {}:
             return True  # nothing observed yet: try it, and learn
         first_ms, _ = self._service_ms(t, self.concurrency() + 1)
         first_ms += self._prefills_ahead_ms(now, t.model_id)
@@ -458,7 +442,7 @@ class AdmissionGate:
 
     def release(self, t: Ticket) -> None:
         self.running.discard(t)
-        self.occupancy.set(self._box_by_model())
+        self.occupancy.set(self.concurrency())
         self._wake()
 
     def count(self, rejection: Rejection) -> Rejection:
@@ -475,7 +459,7 @@ class AdmissionGate:
         t.first_at, t.finish_at = now + ahead_s + first_ms / 1000, now + ahead_s + last_ms / 1000
         t.behind_step = c > 1 and not self.model_idle(t.model_id) and ahead_s == 0
         self.running.add(t)
-        self.occupancy.set(self._box_by_model())
+        self.occupancy.set(self.concurrency())
         self.admitted += 1
 
     def _wake(self) -> None:

@@ -144,19 +144,14 @@ class AdmissionPolicy:
         service-time estimates of its model: its prefill is priced by the prompt tokens its engine
         computed (`reused_tokens` came from its prefix cache)."""
         # Filed under what its decode ran beside; without a first token seen, its ends' mean.
-        occupancy, start = self.gate.occupancy, ticket.decode_from
-        during = occupancy.mean_since(start) if start else None
+        during = self.gate.occupancy.mean_since(ticket.decode_from) if ticket.decode_from else None
         concurrency = during or (ticket.concurrency_at_start + self.gate.concurrency()) / 2
-        # Beside another model for most of its decode: filed apart (admission/occupancy.py).
-        shared = occupancy.beside_since(start, ticket.model_id) if start else None
-        beside = self.gate.shared_cores and (self.gate.beside(ticket.model_id) if shared is None else shared >= 0.5)
         self.estimates[ticket.model_id].observe(
             prompt_tokens=max(1, ticket.prompt_tokens - reused_tokens), prefill_ms=prefill_ms, ttft_ms=ttft_ms,
             queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
             concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks, cut_short=cut_short,
             behind_step=ticket.behind_step, longest_step_ms=self._longest_step_ms(ticket) if ticket.behind_step else None,
-            beside=beside,
         )
 
     def _longest_step_ms(self, ticket: Ticket) -> float:
