@@ -173,8 +173,8 @@ class Placement:
             alt = self.admission.ticket(other, p.ctx, p.tier, p.prompt_ids, p.sampling.max_tokens)
             choice = self.choice.choose(ticket, alt, downgrade=p.tier.downgrade)
             ticket = choice.ticket
-            if choice.reason is not None:
-                decision = RouteDecision(ticket.model_id, choice.reason)
+            if choice.reason is not None:  # the classifier's score stays in the header beside the move
+                decision = RouteDecision(ticket.model_id, choice.reason, decision.p_hard, decision.threshold)
         await self.admission.admit(ticket)
         return Admitted(Permit(self.gate, ticket), decision, ticket, time.perf_counter())
 
