@@ -457,12 +457,17 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
             admitted = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard", p_hard, 0.5))
             permit, decision = admitted.permit, admitted.decision
             permit.release()
-            return decision.model_id, decision.reason
+            return decision.model_id, decision.reason, decision.header()
         return asyncio.run(go())
 
     for mode in ("predictive", "fifo"):
-        assert admit_judged(loaded, 0.6, mode) == (small, "load_downgrade"), mode
-        assert admit_judged(loaded, 0.95, mode) == (large, "classifier_hard"), mode  # clear-cut: stays
+        assert admit_judged(loaded, 0.6, mode)[:2] == (small, "load_downgrade"), mode
+        assert admit_judged(loaded, 0.95, mode)[:2] == (large, "classifier_hard"), mode  # clear-cut: stays
+    # Admission's move keeps the classifier's verdict in x-route, beside the move's reason.
+    busy = pipeline_with(1)
+    busy.gate.running.add(Ticket(large, "standard", 0, 10, 10))
+    assert admit_judged(busy, 0.95, "predictive") == (
+        small, "busy_box_downgrade", f"{small};reason=busy_box_downgrade;p_hard=0.950;threshold=0.500")
     # Never slower: a small model measured slower than the large one keeps the request large.
     slow = pipeline_with(1)
     slow.admission.estimates[small].itl.add(1, 400.0)
