@@ -5,8 +5,9 @@ mode), streamed requests over loopback, a realistic mix: chat, RAG and code prom
 tokens), max_tokens 16-128, 80% interactive (deadline 15 s, TTFT SLO 1 s, TPOT 200 ms) and 20%
 batch (deadline 30 s). Every request carries `x-request-deadline-ms`.
 
-1. capacity: closed loop at 2, 4 and 8 clients with admission off; the best goodput is the
-   capacity (requests/s finishing within their deadline, inside the window).
+1. capacity: closed loops of 2, 4, 8, ... clients with admission off, doubling until goodput
+   stops growing or the clients pass the models' seats; the best goodput is the capacity
+   (requests/s finishing within their deadline, inside the window).
 2. warm-up: a short predictive run, so admission has measured the models.
 3. for load 0.5x, 1x, 2x, 4x capacity: Poisson arrivals for `duration_s`, admission on
    (predictive) and off (fifo: the deadline is not used, as in plain Ray Serve / vLLM).
@@ -54,6 +55,8 @@ MAX_TOKENS = [(16, 0.3), (32, 0.3), (64, 0.3), (128, 0.1)]
 WARM_IN_S = INTERACTIVE_DEADLINE_MS / 1000
 LOAD_FACTORS = [0.5, 1.0, 2.0, 4.0]
 FALSE_SHED_FIFO_FLOOR = 0.95
+PROBE_FIRST_CLIENTS = 2
+PROBE_MIN_GAIN = 1.05  # a doubling of clients that adds less goodput than this has passed the knee
 # 503s that waited in the admission queue first: past the latest useful start, or the tier's wait limit
 QUEUE_DROPS = {"deadline_in_queue", "queue_timeout"}
 
@@ -393,6 +396,36 @@ def _plot(points: list[dict], capacity: float, path: Path) -> None:
     plt.close(fig)
 
 
+def _capacity_probe(base: str, window: float) -> list[dict]:
+    """Closed loops of doubling client counts, admission off, until goodput stops growing (the
+    knee) or the clients outnumber the sequences both models can run at once. A probe that
+    stops below the knee reads the capacity low, and every load point above it is lighter
+    than its name: FIFO then meets its deadlines at "2x"."""
+    from tqdm import tqdm
+
+    health = httpx.get(base + "/health", timeout=10).json().get("admission", {})
+    seats = sum((health.get("seats") or {}).values()) or 16
+    runs: list[dict] = []
+    clients = PROBE_FIRST_CLIENTS
+    with tqdm(desc="capacity (closed loop, admission off)", unit="run") as bar:
+        while True:
+            outcomes = asyncio.run(_closed_loop(base, clients, window, "fifo", seed=clients))
+            runs.append({"clients": clients, "goodput_rps": round(sum(o.good for o in outcomes) / window, 3),
+                         "completed": sum(o.kind == "ok" for o in outcomes)})
+            bar.update()
+            if _probe_done(runs, seats):
+                return runs
+            clients *= 2
+
+
+def _probe_done(runs: list[dict], seats: int) -> bool:
+    """Past the knee (the last doubling added under `PROBE_MIN_GAIN` over the best before it),
+    or as many clients as the models have seats."""
+    best_before = max((r["goodput_rps"] for r in runs[:-1]), default=0.0)
+    past_knee = len(runs) > 1 and runs[-1]["goodput_rps"] < best_before * PROBE_MIN_GAIN
+    return past_knee or runs[-1]["clients"] >= seats
+
+
 def run(quick: bool = False, out: str | None = None, requests: int | None = None, **_: object) -> dict:
     from tqdm import tqdm
 
@@ -405,12 +438,7 @@ def run(quick: bool = False, out: str | None = None, requests: int | None = None
         args.admission.allow_mode_header = True
 
     with running_service(tweak=tweak) as base:
-        capacity_runs = []
-        window = duration * 0.5
-        for clients in tqdm((2, 4, 8), desc="capacity (closed loop, admission off)", unit="run"):
-            outcomes = asyncio.run(_closed_loop(base, clients, window, "fifo", seed=clients))
-            capacity_runs.append({"clients": clients, "goodput_rps": round(sum(o.good for o in outcomes) / window, 3),
-                                  "completed": sum(o.kind == "ok" for o in outcomes)})
+        capacity_runs = _capacity_probe(base, window=duration * 0.5)
         capacity = max(r["goodput_rps"] for r in capacity_runs)
         time.sleep(3)  # the cancelled requests' aborts settle before admission starts measuring
         asyncio.run(_closed_loop(base, 4, duration * 0.3, "predictive", seed=99))  # admission measures the models

@@ -30,3 +30,18 @@ def test_bench_load_slo_counts_the_interactive_tiers_per_token_target():
     batch = Outcome("ok", "batch", 30_000, ttft_ms=400.0, e2e_ms=400.0 + 31 * 250.0, tokens=32)
     assert slow.tpot_ms == pytest.approx(250.0) and slow.good and not slow.in_slo
     assert paced.in_slo and batch.in_slo and not late.in_slo
+
+
+def test_bench_load_capacity_probe_climbs_to_the_knee():
+    """The probe doubles its clients while goodput grows, so "1x" is the knee FIFO reaches, not
+    a client count below it; it stops past the knee or at the models' seats."""
+    from bench.load import _probe_done
+
+    def runs(*points):
+        return [{"clients": 2 ** (i + 1), "goodput_rps": g} for i, g in enumerate(points)]
+
+    assert not _probe_done(runs(0.8), seats=24)
+    assert not _probe_done(runs(0.8, 1.1, 1.8), seats=24)  # still growing at 8 clients
+    assert _probe_done(runs(0.8, 1.1, 1.8, 1.85), seats=24)  # 16 added under 5%
+    assert _probe_done(runs(0.8, 1.1, 1.8, 1.5), seats=24)  # fell
+    assert _probe_done(runs(0.8, 1.1, 1.8, 2.1, 2.4), seats=24)  # 32 clients: past the seats
