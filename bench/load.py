@@ -6,7 +6,7 @@ tokens), max_tokens 16-128, 80% interactive (deadline 15 s, TTFT SLO 1 s, TPOT 2
 batch (deadline 30 s). Every request carries `x-request-deadline-ms`.
 
 1. capacity: closed loops of 2, 4, 8, ... clients with admission off, doubling until goodput
-   stops growing or the clients pass the models' seats; the best goodput is the capacity
+   stops growing (looked for from 8 clients on) or the clients pass the models' seats; the best goodput is the capacity
    (requests/s finishing within their deadline, inside the window).
 2. warm-up: a short predictive run, so admission has measured the models.
 3. for load 0.5x, 1x, 2x, 4x capacity: Poisson arrivals for `duration_s`, admission on
@@ -56,6 +56,7 @@ WARM_IN_S = INTERACTIVE_DEADLINE_MS / 1000
 LOAD_FACTORS = [0.5, 1.0, 2.0, 4.0]
 FALSE_SHED_FIFO_FLOOR = 0.95
 PROBE_FIRST_CLIENTS = 2
+PROBE_MIN_CLIENTS = 8  # the knee is looked for from here on
 PROBE_MIN_GAIN = 1.05  # a doubling of clients that adds less goodput than this has passed the knee
 # 503s that waited in the admission queue first: past the latest useful start, or the tier's wait limit
 QUEUE_DROPS = {"deadline_in_queue", "queue_timeout"}
@@ -419,11 +420,13 @@ def _capacity_probe(base: str, window: float) -> list[dict]:
 
 
 def _probe_done(runs: list[dict], seats: int) -> bool:
-    """Past the knee (the last doubling added under `PROBE_MIN_GAIN` over the best before it),
-    or as many clients as the models have seats."""
+    """Past the knee (from `PROBE_MIN_CLIENTS` on, the last doubling added under
+    `PROBE_MIN_GAIN` over the best before it), or as many clients as the models have seats.
+    The first levels run on a freshly started graph, whose noise alone can read as a knee."""
+    clients = runs[-1]["clients"]
     best_before = max((r["goodput_rps"] for r in runs[:-1]), default=0.0)
-    past_knee = len(runs) > 1 and runs[-1]["goodput_rps"] < best_before * PROBE_MIN_GAIN
-    return past_knee or runs[-1]["clients"] >= seats
+    past_knee = clients >= PROBE_MIN_CLIENTS and len(runs) > 1 and runs[-1]["goodput_rps"] < best_before * PROBE_MIN_GAIN
+    return past_knee or clients >= seats
 
 
 def run(quick: bool = False, out: str | None = None, requests: int | None = None, **_: object) -> dict:
