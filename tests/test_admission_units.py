@@ -1181,3 +1181,19 @@ def test_an_answer_cut_short_teaches_its_steps_not_its_length():
                 max_tokens=512, decode_ms=3200.0, concurrency=8, cut_short=True)
     assert est.itl_ms(8) == pytest.approx(80.0), "its steps at level 8 are filed"
     assert est.output_fraction.value == pytest.approx(1.0), "41 of 512 tokens says nothing of its length"
+
+
+def test_a_queued_first_token_needs_the_tail_to_spare_not_the_deadline_headroom():
+    """Bench load at half its capacity: requests that could not start at once were predicted to
+    wait, then see their first token at 0.84-0.9 s against a 1 s target, and were shed for a
+    25% headroom on top, where FIFO gave them theirs in 0.3-0.8 s. The first token needs the
+    recent tail of lateness to spare; the headroom stays on the end-to-end deadline."""
+    from admission.ticket import Prediction
+
+    now = 100.0
+    gate = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 7.0), safety=1.0, clock=lambda: now)
+    t = Ticket("m", "t", 0, 100, 10, deadline=now + 15, ttft_deadline=now + 1.0, arrived=now)
+    assert gate.ttft_tail_ms() == 0.0
+    assert gate._meets(t, Prediction(300.0, 900.0, 5_000.0), now), "900 ms against 1 s: queued"
+    assert not gate._meets(t, Prediction(300.0, 1_050.0, 5_000.0), now), "past the target: shed"
+    assert not gate._meets(t, Prediction(300.0, 900.0, 13_000.0), now), "the deadline keeps its headroom"
