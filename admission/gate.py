@@ -47,7 +47,7 @@ INF = float("inf")
 # otherwise it is shed at once. A queued request that is dropped later has waited for nothing.
 # Its first token needs only the calibrated tail of lateness to spare (`_first_in_time`): a
 # waiting request is predicted to start when a running one is predicted to end, and that
-# estimate already errs late, so a factor on top shed at light load what FIFO served in time.
+# estimate errs late, so a factor on top would shed at light load requests FIFO serves in time.
 QUEUE_HEADROOM = 1.25
 
 
@@ -344,7 +344,8 @@ class AdmissionGate:
         return None
 
     def _meets(self, t: Ticket, p: Prediction, now: float) -> bool:
-        """Predicted to make it, with QUEUE_HEADROOM (or the TTFT tail, if more) on the time still to come."""
+        """Predicted to make it: its deadline with QUEUE_HEADROOM on the time still to come, its
+        first token with the TTFT tail to spare."""
         spent = (now - t.arrived) * 1000
         e2e = spent + (p.e2e_ms - spent) * QUEUE_HEADROOM
         if not self._first_in_time(t, now, p.ttft_ms - spent):

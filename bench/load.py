@@ -6,8 +6,8 @@ tokens), max_tokens 16-128, 80% interactive (deadline 15 s, TTFT SLO 1 s, TPOT 2
 batch (deadline 30 s). Every request carries `x-request-deadline-ms`.
 
 1. capacity: closed loops of 2, 4, 8, ... clients with admission off, doubling until goodput
-   stops growing (looked for from 8 clients on) or the clients pass the models' seats; the best goodput is the capacity
-   (requests/s finishing within their deadline, inside the window).
+   stops growing (looked for from 8 clients on) or the clients pass the models' seats; the
+   best goodput is the capacity (requests/s finishing within their deadline, in the window).
 2. warm-up: a short predictive run, so admission has measured the models.
 3. for load 0.5x, 1x, 2x, 4x capacity: Poisson arrivals for `duration_s`, admission on
    (predictive) and off (fifo: the deadline is not used, as in plain Ray Serve / vLLM).
