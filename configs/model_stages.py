@@ -126,6 +126,11 @@ class EngineConfig(Strict):
         "kernels). auto: off on CPUs with AMX, where the bundled llama.cpp's AMX matmul crashed the replica "
         "(SIGSEGV in ggml_backend_amx_mul_mat on the first prompt), on elsewhere",
     )
+    flash_attention: Literal["auto", "on", "off"] = Field(
+        "off", description="llama_cpp: ggml's flash-attention kernel. off: attention as matrix products, "
+        "faster decode steps on CPU once a context holds a few hundred tokens, at a slightly slower prefill "
+        "(docs/engines.md); auto: llama.cpp's own choice (on for CPUs)",
+    )
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     max_batch_size: int = Field(
         16, ge=1, le=256, description="decode steps of concurrent requests share one forward pass, up to this many "
@@ -141,6 +146,8 @@ class EngineConfig(Strict):
             raise ValueError(f"weights is a llama_cpp setting; this engine is kind: {self.kind}")
         if self.cpu_repack != "auto" and self.kind != "llama_cpp":
             raise ValueError(f"cpu_repack is a llama_cpp setting; this engine is kind: {self.kind}")
+        if self.flash_attention != "off" and self.kind != "llama_cpp":
+            raise ValueError(f"flash_attention is a llama_cpp setting; this engine is kind: {self.kind}")
         return self
 
 

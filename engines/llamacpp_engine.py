@@ -69,11 +69,17 @@ def _load_model(path: str, repack: bool):
 class _Context:
     """One llama.cpp context over `model` with `n_seq` sequences of up to `n_ctx` tokens each."""
 
-    def __init__(self, model, n_seq: int, n_ctx: int, threads: int) -> None:
+    def __init__(self, model, n_seq: int, n_ctx: int, threads: int, flash_attention: str = "off") -> None:
         import llama_cpp as lib
 
         self.lib = lib
         params = lib.llama_context_default_params()
+        # Every context of an engine takes the same setting: it decides whether V is stored
+        # transposed, and llama.cpp moves a sequence's KV only between contexts that agree.
+        params.flash_attn_type = {
+            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        }[flash_attention]
         params.n_ctx = n_ctx * n_seq
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_seq_max = n_seq
@@ -194,7 +200,9 @@ class LlamaCppEngine(Engine):
         self.cores = CoreShare(config.num_threads, share_cores)
         self.max_sequences = config.max_sequences
         self._models = [_load_model(gguf, repack)]
-        self._ctx = _Context(self._models[0], self.max_sequences, config.max_model_len, config.num_threads)
+        self._ctx = _Context(
+            self._models[0], self.max_sequences, config.max_model_len, config.num_threads, config.flash_attention
+        )
         self._prefill: _Context | None = None
         if config.prefill_quant:
             # From the shipped file, not from `weights`' copy: an f32 prefill then holds the same
@@ -204,7 +212,9 @@ class LlamaCppEngine(Engine):
             # As many streams as the decoding context: llama.cpp moves a sequence's KV only
             # between contexts of the same stream count. Only its first is used; the others
             # cost their KV memory.
-            self._prefill = _Context(self._models[1], self.max_sequences, config.max_model_len, config.num_threads)
+            self._prefill = _Context(
+                self._models[1], self.max_sequences, config.max_model_len, config.num_threads, config.flash_attention
+            )
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
         self.prefix_cache = SlotReuse()

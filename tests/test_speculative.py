@@ -824,6 +824,40 @@ def test_cpu_repack_off_loads_without_extra_buffer_types_and_the_engine_runs(ser
     engine.release(seq)
 
 
+@pytest.mark.parametrize("flash_attention", ["off", "on"])
+def test_flash_attention_reaches_every_context_and_the_kv_handover_still_works(serve_file, monkeypatch, flash_attention):
+    """`flash_attention` decides how llama.cpp lays V out; a prompt on the prefill copy hands its
+    KV to the decoding context only if both took the same setting. Either way the engine
+    decodes a long prompt as the shipped setting does."""
+    import llama_cpp as lib
+
+    from engines.llamacpp_engine import LlamaCppEngine
+
+    seen = []
+    real = lib.llama_init_from_model
+    monkeypatch.setattr(lib, "llama_init_from_model", lambda model, params: seen.append(params.flash_attn_type) or real(model, params))
+    config = serve_file.args.draft.engine.model_copy(update={"max_sequences": 2})
+    assert config.flash_attention == "off" and config.prefill_quant is not None, "the shipped small model"
+    engine = LlamaCppEngine(config.model_copy(update={"flash_attention": flash_attention}))
+    want = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention == "on" else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    assert seen == [want, want], seen  # the decoding context and the prefill copy
+
+    def greedy(engine) -> list[int]:
+        ids = _chat_ids(engine.tokenizer, conversations()["rag"][0])
+        seq = engine.new_sequence()
+        out = [int(torch.argmax(engine.prefill(seq, ids)))]  # on the prefill copy, KV handed over
+        for _ in range(11):
+            out.append(int(torch.argmax(engine.decode_step(seq, out[-1]))))
+        engine.release(seq)
+        return out
+
+    picks = greedy(engine)
+    monkeypatch.setattr(lib, "llama_init_from_model", real)
+    reference = greedy(LlamaCppEngine(config)) if flash_attention != "off" else picks
+    assert sum(a == b for a, b in zip(picks, reference)) >= len(reference) - 2, (picks, reference)
+    assert len(set(picks)) > 3, picks  # a broken KV decodes a repeated token or noise
+
+
 def test_the_shipped_small_model_answers_as_float32_does():
     """The default's small model (Q4_1 kernels, its prompt prefilled in float32) gives the float32
     target's greedy answer to a question a newcomer asks first; with its prompt in Q4_1 too it
