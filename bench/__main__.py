@@ -26,6 +26,7 @@ SUITES = {
     "cache": "bench.cache",  # semantic cache: precision/recall, hit latency over HTTP, store, near-miss drafts
     "route": "bench.route",  # router accuracy, routing cost, routed vs all-to-target under mixed load
     "ttft": "bench.ttft",  # engine TTFT with the prefix KV cache off and on (shared system prompt, multi-turn)
+    "attention": "bench.attention",  # llama.cpp decode step and prefill, flash attention off vs on, by context
     "chaos": "bench.chaos",  # load while one replica of each stage is killed: nothing admitted is lost
     "scaleup": "bench.scaleup",  # a TargetModel replica added under load: its first TTFT vs its steady TTFT
     "affinity": "bench.affinity",  # two TargetModel replicas: prefix-aware routing vs power of two choices, multi-turn
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default=None,
                         help="peers suite: the grid of offered requests/s, comma-separated (default: bench/peers.py GRID)")
     parser.add_argument("--repetitions", type=int, default=None,
-                        help="floor and peers suites: how many times to run the whole set (default 3)")
+                        help="floor, peers and attention suites: how many times to run the whole set (default 3)")
     parser.add_argument("--update", default=None,
                         help="peers suite: an earlier result of it; the --systems named are measured again on the "
                         "same traces and replace theirs, every other system's runs are kept")

@@ -38,6 +38,7 @@ import torch
 from configs.schemas import EngineConfig
 from engines.base import Engine, Sequence
 from engines.cpu_features import cpu_has_amx
+from engines.kv_state import relayout
 from engines.model_store import package_dir, requantized_gguf, resolve_model_dir
 from host_tuning.cores import CoreShare
 
@@ -74,12 +75,13 @@ class _Context:
 
         self.lib = lib
         params = lib.llama_context_default_params()
-        # Every context of an engine takes the same setting: it decides whether V is stored
-        # transposed, and llama.cpp moves a sequence's KV only between contexts that agree.
+        # The setting decides whether V is stored transposed; a sequence's KV moves to a context
+        # of the other layout through `restore(..., source=)` (engines/kv_state.py).
         params.flash_attn_type = {
             "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
             "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
         }[flash_attention]
+        self.v_transposed = {"off": True, "on": False}.get(flash_attention)  # auto: llama.cpp's to choose
         params.n_ctx = n_ctx * n_seq
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_seq_max = n_seq
@@ -138,7 +140,14 @@ class _Context:
         written = self.lib.llama_state_seq_get_data(self.ctx, buf, size, seq)
         return (ctypes.c_uint8 * written).from_buffer(buf) if written else buf
 
-    def restore(self, buf: ctypes.Array, seq: int) -> None:
+    def restore(self, buf: ctypes.Array, seq: int, source: "_Context | None" = None) -> None:
+        """`seq` holds the state `buf` exported, from this context or from `source`."""
+        if source is not None and source.v_transposed != self.v_transposed:
+            if source.v_transposed is None or self.v_transposed is None:
+                raise RuntimeError("a KV moves between an auto flash-attention context and another only if they agree")
+            moved = relayout(buf, self.v_transposed)
+            if moved is not None:
+                buf = (ctypes.c_uint8 * len(moved)).from_buffer_copy(moved)
         self.drop(seq, 0)
         if not len(buf) or self.lib.llama_state_seq_set_data(self.ctx, buf, len(buf), seq) == 0:
             raise RuntimeError("llama.cpp could not copy a sequence's KV cache between contexts")
@@ -212,8 +221,11 @@ class LlamaCppEngine(Engine):
             # As many streams as the decoding context: llama.cpp moves a sequence's KV only
             # between contexts of the same stream count. Only its first is used; the others
             # cost their KV memory.
+            # Prompts on flash attention, its faster prefill; their KV is re-laid for the decoding
+            # context's setting when it moves there.
             self._prefill = _Context(
-                self._models[1], self.max_sequences, config.max_model_len, config.num_threads, config.flash_attention
+                self._models[1], self.max_sequences, config.max_model_len, config.num_threads,
+                "auto" if config.flash_attention == "auto" else "on",
             )
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
@@ -431,10 +443,10 @@ class LlamaCppEngine(Engine):
         pre = self._prefill
         pre.drop(0, 0)
         if start:
-            pre.restore(self._ctx.export(slot), 0)
+            pre.restore(self._ctx.export(slot), 0, source=self._ctx)
         last = len(tokens) - start - 1
         logits = self._eval(pre, [(0, start + i, t, i == last) for i, t in enumerate(tokens[start:])])[0]
-        self._ctx.restore(pre.export(0), slot)
+        self._ctx.restore(pre.export(0), slot, source=pre)
         self._held[slot] = list(tokens)
         return logits
 

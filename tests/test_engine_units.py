@@ -199,3 +199,41 @@ def test_extreme_sampling_values_stay_finite_and_pick_the_top_token(temperature,
     probs = probabilities(logits, params)
     assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1.0) < 1e-4
     assert sample(logits, params, torch.Generator().manual_seed(1)) == int(logits.argmax())
+
+
+def test_a_kv_state_relaid_for_the_other_attention_layout_round_trips_byte_for_byte():
+    """engines/kv_state.py re-lays V between llama.cpp's two layouts: rows per cell and the
+    same values transposed; twice gives the buffer back, and a buffer already in the wanted
+    layout is left alone. A truncated buffer is refused, never restored half."""
+    import struct
+
+    import numpy as np
+
+    from engines.kv_state import KVStateFormatError, relayout
+
+    cells, channels, layers = 5, 6, 2
+    rng = np.random.default_rng(0)
+    v = [rng.standard_normal((cells, channels)).astype(np.float16) for _ in range(layers)]
+    k = [rng.standard_normal((cells, channels)).astype(np.float16) for _ in range(layers)]
+
+    def buffer(transposed: bool) -> bytes:
+        out = [struct.pack("<Ii", 0xABCD, 3), struct.pack("<I", 2), struct.pack("<I", 0), struct.pack("<I", cells)]
+        out += [struct.pack("<iIi", pos, 1, 3) for pos in range(cells)]
+        out.append(struct.pack("<II", int(transposed), layers))
+        out += [struct.pack("<iQ", 1, 2 * channels) + layer.tobytes() for layer in k]
+        for layer in v:
+            if transposed:
+                out.append(struct.pack("<iII", 1, 2, channels) + np.ascontiguousarray(layer.T).tobytes())
+            else:
+                out.append(struct.pack("<iQ", 1, 2 * channels) + layer.tobytes())
+        return b"".join(out)
+
+    rows, columns = buffer(False), buffer(True)
+    assert relayout(rows, True) == columns and relayout(columns, False) == rows
+    assert relayout(rows, False) is None and relayout(columns, True) is None
+    try:
+        relayout(rows[:-3], True)
+    except KVStateFormatError:
+        pass
+    else:
+        raise AssertionError("a truncated KV state was re-laid")

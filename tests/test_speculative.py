@@ -826,9 +826,9 @@ def test_cpu_repack_off_loads_without_extra_buffer_types_and_the_engine_runs(ser
 
 @pytest.mark.parametrize("flash_attention", ["off", "on"])
 def test_flash_attention_reaches_every_context_and_the_kv_handover_still_works(serve_file, monkeypatch, flash_attention):
-    """`flash_attention` decides how llama.cpp lays V out; a prompt on the prefill copy hands its
-    KV to the decoding context only if both took the same setting. Either way the engine
-    decodes a long prompt as the shipped setting does."""
+    """`flash_attention` sets the decoding context's attention; the prefill copy always runs
+    flash attention, and a prompt's KV is re-laid when the two store V differently. Either way
+    the engine decodes a long prompt as the shipped setting does."""
     import llama_cpp as lib
 
     from engines.llamacpp_engine import LlamaCppEngine
@@ -840,7 +840,7 @@ def test_flash_attention_reaches_every_context_and_the_kv_handover_still_works(s
     assert config.flash_attention == "off" and config.prefill_quant is not None, "the shipped small model"
     engine = LlamaCppEngine(config.model_copy(update={"flash_attention": flash_attention}))
     want = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention == "on" else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    assert seen == [want, want], seen  # the decoding context and the prefill copy
+    assert seen == [want, lib.LLAMA_FLASH_ATTN_TYPE_ENABLED], seen  # the decoding context, the prefill copy
 
     def greedy(engine) -> list[int]:
         ids = _chat_ids(engine.tokenizer, conversations()["rag"][0])
@@ -882,7 +882,9 @@ def test_the_shipped_small_model_answers_as_float32_does():
 def test_the_small_models_prompts_run_on_the_targets_float32_weights():
     """serve_config.yaml's small model decodes on a requantized copy and prefills on a float32
     one: that float32 copy is made from the shipped file, as the target's is, so a prompt's
-    logits (and the KV the small model decodes from) are the float32 target's own."""
+    logits (and the KV the small model decodes from) are the float32 target's own, to the
+    rounding of attention summed in another order (flash attention on the prefill copy only;
+    the same prompt prefilled on Q8_0 weights is off by ~0.9)."""
     from configs.serve_config import load_serve_config
     from engines.llamacpp_engine import LlamaCppEngine
 
@@ -893,7 +895,8 @@ def test_the_small_models_prompts_run_on_the_targets_float32_weights():
     target = LlamaCppEngine(shipped.target.engine.model_copy(update={"max_sequences": 1}))
     ids = _chat_ids(target.tokenizer, conversations()["rag"][0])
     logits = [engine.prefill(engine.new_sequence(), ids) for engine in (small, target)]
-    assert torch.allclose(logits[0], logits[1], atol=1e-4), float((logits[0] - logits[1]).abs().max())
+    assert torch.allclose(logits[0], logits[1], atol=0.05), float((logits[0] - logits[1]).abs().max())
+    assert int(torch.argmax(logits[0])) == int(torch.argmax(logits[1]))
 
 
 def test_calibration_times_a_few_pass_sizes_and_prices_every_k_on_one_line():
