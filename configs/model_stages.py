@@ -127,9 +127,10 @@ class EngineConfig(Strict):
         "(SIGSEGV in ggml_backend_amx_mul_mat on the first prompt), on elsewhere",
     )
     flash_attention: Literal["auto", "on", "off"] = Field(
-        "off", description="llama_cpp: ggml's flash-attention kernel. off: attention as matrix products, "
-        "faster decode steps on CPU once a context holds a few hundred tokens, at a slightly slower prefill "
-        "(docs/engines.md); auto: llama.cpp's own choice (on for CPUs)",
+        "off", description="llama_cpp: ggml's flash-attention kernel in decode steps. off: attention as matrix "
+        "products, faster steps on CPU once a context holds a few hundred tokens; the prefill copy "
+        "(prefill_quant) runs prompts with it on, off or on here (docs/engines.md); auto: llama.cpp's own "
+        "choice everywhere (on for CPUs)",
     )
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     max_batch_size: int = Field(
