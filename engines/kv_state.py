@@ -52,52 +52,60 @@ class _Reader:
         return out
 
 
-def relayout(buf, transposed: bool) -> bytes | None:
-    """`buf` with its V blocks stored transposed (`transposed`) or as rows; None when it is
-    already laid out so (the caller restores `buf` itself, no copy made)."""
+def relayout(buf, transposed: bool) -> bytearray | None:
+    """`buf` with its V blocks stored transposed (`transposed`) or as rows, in a new buffer of
+    the same size; None when it is already laid out so (the caller restores `buf` itself)."""
     r = _Reader(memoryview(buf).cast("B"))
-    out: list[bytes] = []
+    moves: list[tuple[int, int, int, int, int, int]] = []  # (header at, v type, element bytes, channels, cells, data at)
     changed = False
-    out.append(bytes(r.raw(8)))  # llama.cpp's magic and the exporting sequence's id, as they are
+    r.raw(8)  # llama.cpp's magic and the exporting sequence's id
     (n_stream,) = r.take("<I")
-    out.append(struct.pack("<I", n_stream))
+    flags: list[int] = []  # where each stream's "V transposed" flag sits
     for _ in range(n_stream):
         (cells,) = r.take("<I")
-        out.append(struct.pack("<I", cells))
         if cells == 0:
             continue
-        out.append(bytes(_skip_cells(r, cells)))
+        _skip_cells(r, cells)
+        flags.append(r.at)
         v_trans, n_layer = r.take("<II")
         if v_trans not in (0, 1):
             raise KVStateFormatError(f"unexpected V layout flag {v_trans}")
-        out.append(struct.pack("<II", int(transposed), n_layer))
         for _ in range(n_layer):  # K blocks are the same in either layout
-            start = r.at
             _, row_bytes = r.take("<iQ")
             r.raw(cells * row_bytes)
-            out.append(bytes(r.buf[start : r.at]))
         changed |= bool(v_trans) != transposed
         for _ in range(n_layer):
+            header = r.at
             if v_trans:
                 v_type, el_bytes, channels = r.take("<iII")
-                data = r.raw(channels * cells * el_bytes)
             else:
                 v_type, row_bytes = r.take("<iQ")
-                data = r.raw(cells * row_bytes)
                 if v_type not in ELEMENT_BYTES:
                     raise KVStateFormatError(f"V of ggml type {v_type} can't be stored transposed")
                 el_bytes = ELEMENT_BYTES[v_type]
                 channels = row_bytes // el_bytes
-            if bool(v_trans) == transposed:
-                out.append(_v_header(v_type, el_bytes, channels, transposed) + bytes(data))
-                continue
-            dtype = np.dtype(f"V{el_bytes}")  # any element type: bytes moved, never reinterpreted
-            shape = (channels, cells) if v_trans else (cells, channels)
-            moved = np.frombuffer(data, dtype=dtype).reshape(shape).T
-            out.append(_v_header(v_type, el_bytes, channels, transposed) + np.ascontiguousarray(moved).tobytes())
+            data = r.at
+            r.raw(channels * cells * el_bytes)
+            if bool(v_trans) != transposed:
+                moves.append((header, v_type, el_bytes, channels, cells, data))
     if r.at != len(r.buf):
         raise KVStateFormatError(f"{len(r.buf) - r.at} bytes of the KV state left unread")
-    return b"".join(out) if changed else None
+    if not changed:
+        return None
+    out = bytearray(r.buf)  # both V headers are 12 bytes: every other byte stays where it is
+    for at in flags:
+        struct.pack_into("<I", out, at, int(transposed))
+    for header, v_type, el_bytes, channels, cells, data in moves:
+        if el_bytes not in (2, 4):
+            raise KVStateFormatError(f"V elements of {el_bytes} bytes")
+        struct.pack_into("<iII" if transposed else "<iQ", out, header,
+                         *((v_type, el_bytes, channels) if transposed else (v_type, el_bytes * channels)))
+        dtype = np.uint16 if el_bytes == 2 else np.uint32  # bytes moved, never reinterpreted
+        shape = (cells, channels) if transposed else (channels, cells)  # the source's
+        src = np.frombuffer(r.buf, dtype=dtype, count=cells * channels, offset=data).reshape(shape)
+        dst = np.frombuffer(out, dtype=dtype, count=cells * channels, offset=data).reshape(shape[::-1])
+        dst[...] = src.T
+    return out
 
 
 def _skip_cells(r: _Reader, cells: int) -> memoryview:
@@ -113,9 +121,3 @@ def _skip_cells(r: _Reader, cells: int) -> memoryview:
         _, n_seq = r.take("<iI")
         r.raw(4 * n_seq)
     return r.buf[start : r.at]
-
-
-def _v_header(v_type: int, el_bytes: int, channels: int, transposed: bool) -> bytes:
-    if transposed:
-        return struct.pack("<iII", v_type, el_bytes, channels)
-    return struct.pack("<iQ", v_type, el_bytes * channels)

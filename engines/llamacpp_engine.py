@@ -147,7 +147,7 @@ class _Context:
                 raise RuntimeError("a KV moves between an auto flash-attention context and another only if they agree")
             moved = relayout(buf, self.v_transposed)
             if moved is not None:
-                buf = (ctypes.c_uint8 * len(moved)).from_buffer_copy(moved)
+                buf = (ctypes.c_uint8 * len(moved)).from_buffer(moved)
         self.drop(seq, 0)
         if not len(buf) or self.lib.llama_state_seq_set_data(self.ctx, buf, len(buf), seq) == 0:
             raise RuntimeError("llama.cpp could not copy a sequence's KV cache between contexts")
