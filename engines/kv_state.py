@@ -57,7 +57,6 @@ def relayout(buf, transposed: bool) -> bytearray | None:
     the same size; None when it is already laid out so (the caller restores `buf` itself)."""
     r = _Reader(memoryview(buf).cast("B"))
     moves: list[tuple[int, int, int, int, int, int]] = []  # (header at, v type, element bytes, channels, cells, data at)
-    changed = False
     r.raw(8)  # llama.cpp's magic and the exporting sequence's id
     (n_stream,) = r.take("<I")
     flags: list[int] = []  # where each stream's "V transposed" flag sits
@@ -73,7 +72,6 @@ def relayout(buf, transposed: bool) -> bytearray | None:
         for _ in range(n_layer):  # K blocks are the same in either layout
             _, row_bytes = r.take("<iQ")
             r.raw(cells * row_bytes)
-        changed |= bool(v_trans) != transposed
         for _ in range(n_layer):
             header = r.at
             if v_trans:
@@ -90,7 +88,7 @@ def relayout(buf, transposed: bool) -> bytearray | None:
                 moves.append((header, v_type, el_bytes, channels, cells, data))
     if r.at != len(r.buf):
         raise KVStateFormatError(f"{len(r.buf) - r.at} bytes of the KV state left unread")
-    if not changed:
+    if not moves:
         return None
     out = bytearray(r.buf)  # both V headers are 12 bytes: every other byte stays where it is
     for at in flags:
@@ -108,16 +106,15 @@ def relayout(buf, transposed: bool) -> bytearray | None:
     return out
 
 
-def _skip_cells(r: _Reader, cells: int) -> memoryview:
-    """The cells' positions and sequence ids, as they are. Each cell of a sequence's own export
-    names one sequence (12 bytes), read at once; any other count, cell by cell."""
-    start = r.at
+def _skip_cells(r: _Reader, cells: int) -> None:
+    """Past the cells' positions and sequence ids, which stay as they are. Each cell of a
+    sequence's own export names one sequence (12 bytes), checked at once; any other count, cell
+    by cell."""
     if r.at + 12 * cells <= len(r.buf):
         fixed = np.frombuffer(r.buf, dtype="<u4", count=3 * cells, offset=r.at)
         if (fixed[1::3] == 1).all():
             r.at += 12 * cells
-            return r.buf[start : r.at]
+            return
     for _ in range(cells):
         _, n_seq = r.take("<iI")
         r.raw(4 * n_seq)
-    return r.buf[start : r.at]

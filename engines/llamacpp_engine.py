@@ -70,7 +70,7 @@ def _load_model(path: str, repack: bool):
 class _Context:
     """One llama.cpp context over `model` with `n_seq` sequences of up to `n_ctx` tokens each."""
 
-    def __init__(self, model, n_seq: int, n_ctx: int, threads: int, flash_attention: str = "off") -> None:
+    def __init__(self, model, n_seq: int, n_ctx: int, threads: int, flash_attention: str) -> None:
         import llama_cpp as lib
 
         self.lib = lib
