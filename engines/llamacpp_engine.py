@@ -44,9 +44,12 @@ from host_tuning.cores import CoreShare
 
 log = logging.getLogger(__name__)
 
-# Shorter runs (a catch-up): the KV copies would cost more than the faster kernels save. A
-# prompt goes to the prefill copy at any length (`_run`).
+# Shorter runs (a catch-up): the KV copies would cost more than the faster kernels save.
 PREFILL_MIN_TOKENS = 16
+# A conversation's next turn (`_on_copy`): a slot holds this much of the prompt, and more than
+# its last token but less than the next is new.
+NEXT_TURN_HELD_TOKENS = 128
+NEXT_TURN_NEW_TOKENS = 64
 COPY_MIN_TOKENS = 16  # a prefix another slot holds is copied when it saves at least this many tokens
 N_BATCH = 256  # tokens per llama_decode call; longer runs go in several
 
@@ -229,6 +232,7 @@ class LlamaCppEngine(Engine):
             )
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
+        self.copy_passes = 0  # runs of tokens evaluated on the prefill copy
         self.prefix_cache = SlotReuse()
         self._held: list[list[int]] = [[] for _ in range(self.max_sequences)]  # tokens whose KV each slot holds
         self._owner: list[_SeqState | None] = [None] * self.max_sequences
@@ -322,9 +326,7 @@ class LlamaCppEngine(Engine):
 
     def _run(self, states: list[_SeqState], want: int, prompt: bool = False) -> list[np.ndarray]:
         """Evaluate what each sequence's slot lacks, in one pass; logits after each one's last
-        `want` tokens, in order. A lone prompt runs on the prefill copy when there is one, however
-        little of it a slot lacks: its first token then comes from the same weights whether or
-        not its prefix was cached, so a repeated request gets the same answer."""
+        `want` tokens, in order."""
         slots = [self._bind(state) for state in states]
         if len(states) > 1:  # in slot order: consecutive ids make one pass (module docstring)
             order = sorted(range(len(states)), key=slots.__getitem__)
@@ -347,12 +349,26 @@ class LlamaCppEngine(Engine):
                 del held[start:]
             state.reused = start
             todo = state.tokens[start:]
-            long_run = prompt or len(todo) >= PREFILL_MIN_TOKENS
-            if len(states) == 1 and want == 1 and self._prefill is not None and long_run:
+            if len(states) == 1 and want == 1 and self._on_copy(start, len(todo), prompt):
                 return [self._eval_on_prefill_context(slot, state.tokens, start)]
             items += [(slot, start + i, t, i >= len(todo) - want) for i, t in enumerate(todo)]
             held.extend(todo)
         return self._eval(self._ctx, items)
+
+    def _on_copy(self, held: int, new: int, prompt: bool) -> bool:
+        """Whether a lone sequence's `new` tokens, after `held` its slot holds, run on the prefill
+        copy. A prompt does, whatever its length, so that the logits picking its first token come
+        from the copy's (float32) weights, and a repeated prompt (all of it held but the last
+        token, whose logits are computed anew) gets the same answer whether or not a slot held
+        it. Except a conversation's next turn, a few new tokens after a long held prefix: the
+        round trip of the held KV through the copy and a pass of a few tokens over its wider
+        weights cost several times the pass where it decodes, so its first token comes from the
+        decoding weights. A catch-up goes there from PREFILL_MIN_TOKENS on."""
+        if self._prefill is None:
+            return False
+        if prompt:
+            return not (held >= NEXT_TURN_HELD_TOKENS and 1 < new < NEXT_TURN_NEW_TOKENS)
+        return new >= PREFILL_MIN_TOKENS
 
     def _bind(self, state: _SeqState) -> int:
         if state.slot is not None and self._owner[state.slot] is state:
@@ -441,6 +457,7 @@ class LlamaCppEngine(Engine):
     def _eval_on_prefill_context(self, slot: int, tokens: list[int], start: int) -> np.ndarray:
         """Evaluate tokens[start:] on the requantized copy, then move the KV into `slot`."""
         pre = self._prefill
+        self.copy_passes += 1
         pre.drop(0, 0)
         if start:
             pre.restore(self._ctx.export(slot), 0, source=self._ctx)

@@ -504,25 +504,41 @@ def test_a_prompt_evaluated_on_the_requantized_copy_hands_a_working_kv_to_the_de
 
 
 def test_a_repeated_prompt_gets_the_same_first_token_whether_or_not_its_prefix_was_cached(serve_file):
-    """The shipped small model decodes on Q4_1 and prefills on a float32 copy: a prompt whose
-    prefix a slot still holds runs its short remainder on that copy too, so the first token
-    comes from the same weights as on a cold cache (the newcomer's "capital of France" said
-    Paris once, then something else on every repeat)."""
-    from engines.llamacpp_engine import LlamaCppEngine
+    """The shipped small model decodes on Q8_0 and prefills on a float32 copy: a repeated prompt,
+    short or long, runs its last token on that copy too, so the first token comes from the same
+    weights as on a cold cache (the newcomer's "capital of France" said Paris once, then
+    something else on every repeat). A conversation's next turn, a few new tokens after a long
+    prefix its slot holds, runs where it decodes: no round trip of the held KV through the copy."""
+    from engines.llamacpp_engine import NEXT_TURN_HELD_TOKENS, NEXT_TURN_NEW_TOKENS, LlamaCppEngine
 
     config = serve_file.args.draft.engine
     assert config.kind == "llama_cpp" and config.prefill_quant == "f32", "the shipped small model"
     engine = LlamaCppEngine(config.model_copy(update={"max_sequences": 2}))
-    ids = _chat_ids(engine.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
-    first = engine.new_sequence()
-    cold = engine.prefill(first, ids)
-    engine.release(first)
-    again = engine.new_sequence()
-    warm = engine.prefill(again, ids)
-    assert again.reused > 0, "the repeat found its prefix held"
-    engine.release(again)
-    assert int(torch.argmax(warm)) == int(torch.argmax(cold))
-    assert torch.allclose(warm, cold, atol=0.1)  # the held KV made a round trip between the contexts
+    turns = conversations()["rag"][0]
+    long = _chat_ids(engine.tokenizer, turns)
+    assert len(long) > NEXT_TURN_HELD_TOKENS
+    for ids in (_chat_ids(engine.tokenizer, [{"role": "user", "content": "What is the capital of France?"}]), long):
+        engine.forget_prefixes()
+        passes = engine.copy_passes
+        first = engine.new_sequence()
+        cold = engine.prefill(first, ids)
+        engine.release(first)
+        again = engine.new_sequence()
+        warm = engine.prefill(again, ids)
+        assert again.reused == len(ids) - 1, "the repeat found its prompt held"
+        engine.release(again)
+        assert engine.copy_passes == passes + 2, "both on the copy"
+        assert int(torch.argmax(warm)) == int(torch.argmax(cold))
+        assert torch.allclose(warm, cold, atol=0.1)  # the held KV made a round trip between the contexts
+
+    passes = engine.copy_passes
+    next_turn = _chat_ids(engine.tokenizer, [*turns, {"role": "assistant", "content": "It is in the second one."},
+                                             {"role": "user", "content": "Why?"}])
+    seq = engine.new_sequence()
+    engine.prefill(seq, next_turn)
+    assert seq.reused >= len(long) - 2 and len(next_turn) - seq.reused < NEXT_TURN_NEW_TOKENS
+    assert engine.copy_passes == passes, "the next turn ran where it decodes"
+    engine.release(seq)
 
 
 def test_step_mode_speculates_in_turns_where_a_small_batch_costs_more_per_token_and_batches_beyond():
