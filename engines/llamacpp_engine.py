@@ -233,6 +233,9 @@ class LlamaCppEngine(Engine):
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
         self.copy_passes = 0  # runs of tokens evaluated on the prefill copy
+        # A next turn stays where it decodes only off the kernel there (`_on_copy`); with the
+        # kernel in both contexts nothing is re-laid, and a few tokens cost less on the copy.
+        self._next_turn_here = self._prefill is not None and self._ctx.v_transposed is True
         self.prefix_cache = SlotReuse()
         self._held: list[list[int]] = [[] for _ in range(self.max_sequences)]  # tokens whose KV each slot holds
         self._owner: list[_SeqState | None] = [None] * self.max_sequences
@@ -360,14 +363,16 @@ class LlamaCppEngine(Engine):
         copy. A prompt does, whatever its length, so that the logits picking its first token come
         from the copy's (float32) weights, and a repeated prompt (all of it held but the last
         token, whose logits are computed anew) gets the same answer whether or not a slot held
-        it. Except a conversation's next turn, a few new tokens after a long held prefix: the
-        round trip of the held KV through the copy and a pass of a few tokens over its wider
-        weights cost several times the pass where it decodes, so its first token comes from the
-        decoding weights. A catch-up goes there from PREFILL_MIN_TOKENS on."""
+        it. Except a conversation's next turn, a few new tokens after a long held prefix, where
+        the decoding context attends without the flash-attention kernel: the round trip of the
+        held KV through the copy (re-laid both ways) and the kernel's pass of a few tokens over
+        the held context cost several times the pass where it decodes, so its first token comes
+        from the decoding weights. A catch-up goes there from PREFILL_MIN_TOKENS on."""
         if self._prefill is None:
             return False
         if prompt:
-            return not (held >= NEXT_TURN_HELD_TOKENS and 1 < new < NEXT_TURN_NEW_TOKENS)
+            next_turn = held >= NEXT_TURN_HELD_TOKENS and 1 < new < NEXT_TURN_NEW_TOKENS
+            return not (next_turn and self._next_turn_here)
         return new >= PREFILL_MIN_TOKENS
 
     def _bind(self, state: _SeqState) -> int:

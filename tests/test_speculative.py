@@ -508,7 +508,8 @@ def test_a_repeated_prompt_gets_the_same_first_token_whether_or_not_its_prefix_w
     short or long, runs its last token on that copy too, so the first token comes from the same
     weights as on a cold cache (the newcomer's "capital of France" said Paris once, then
     something else on every repeat). A conversation's next turn, a few new tokens after a long
-    prefix its slot holds, runs where it decodes: no round trip of the held KV through the copy."""
+    prefix its slot holds, runs where it decodes, off the flash-attention kernel: no round trip
+    of the held KV through the copy."""
     from engines.llamacpp_engine import NEXT_TURN_HELD_TOKENS, NEXT_TURN_NEW_TOKENS, LlamaCppEngine
 
     config = serve_file.args.draft.engine
@@ -539,6 +540,15 @@ def test_a_repeated_prompt_gets_the_same_first_token_whether_or_not_its_prefix_w
     assert seq.reused >= len(long) - 2 and len(next_turn) - seq.reused < NEXT_TURN_NEW_TOKENS
     assert engine.copy_passes == passes, "the next turn ran where it decodes"
     engine.release(seq)
+    # With the kernel in both contexts (the target's draft) nothing is re-laid: the copy is faster
+    draft_config = serve_file.args.target.speculative.draft_engine
+    assert draft_config.flash_attention == "on" and draft_config.prefill_quant is not None
+    draft = LlamaCppEngine(draft_config.model_copy(update={"max_sequences": 2}))
+    for ids in (long, next_turn):
+        seq = draft.new_sequence()
+        draft.prefill(seq, ids)
+        draft.release(seq)
+    assert draft.copy_passes == 2
 
 
 def test_step_mode_speculates_in_turns_where_a_small_batch_costs_more_per_token_and_batches_beyond():
