@@ -320,6 +320,32 @@ def test_a_replica_measures_its_prefill_cost_for_admissions_prior():
     assert policy.estimates["another"].prefill_ms(400) == pytest.approx(400 * AdmissionConfig().prior_prefill_ms_per_token)
 
 
+
+def test_a_prefill_probe_that_lost_its_cores_does_not_price_every_prompt():
+    """At start a replica's probes share a small box with the graph's other replicas loading; a
+    probe stalled by them must not become admission's price of this model's every prefill (its
+    requests would be shed or moved as if every prompt took that long). Each length is timed
+    in rounds that reuse nothing, the fastest kept."""
+    from configs.serve_config import load_serve_config
+    from engines.factory import build_engine
+    from target import calibration
+
+    engine = build_engine(load_serve_config().args.draft.engine)  # the shipped llama.cpp small model
+    real, calls = engine.prefill, []
+
+    def prefill(seq, token_ids):
+        calls.append(len(token_ids))
+        if len(calls) == 1:
+            time.sleep(1.5)  # the first probe loses its cores
+        logits = real(seq, token_ids)
+        assert seq.reused == 0, "a probe round reused an earlier round's prefix"
+        return logits
+
+    engine.prefill = prefill
+    fixed, per_token = calibration.prefill_cost("small", engine)
+    assert calls.count(calibration.PREFILL_PROBE_TOKENS[0]) == calibration.PREFILL_PROBE_ROUNDS > 1
+    assert fixed < 500 and 0.01 <= per_token < 50, (fixed, per_token)
+
 def _text_of(service, request_id: str, question: str, max_tokens: int) -> tuple[str, int]:
     async def collect() -> tuple[str, int]:
         ids = prompt_ids(service.engine, question)
