@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="peers suite: the grid of offered requests/s, comma-separated (default: bench/peers.py GRID)")
     parser.add_argument("--repetitions", type=int, default=None,
                         help="floor, peers and attention suites: how many times to run the whole set (default 3)")
+    parser.add_argument("--workloads", default=None,
+                        help="peers suite: which workloads, comma-separated (default: all of bench/peer_workloads.py)")
     parser.add_argument("--update", default=None,
                         help="peers suite: an earlier result of it; the --systems named are measured again on the "
                         "same traces and replace theirs, every other system's runs are kept")
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         if "dtype" not in inspect.signature(suite.run).parameters:
             parser.error(f"--dtype does not apply to the {args.suite} suite")
         kwargs["dtype"] = args.dtype
-    for option in ("systems", "rates", "repetitions", "update"):
+    for option in ("systems", "rates", "repetitions", "update", "workloads"):
         value = getattr(args, option)
         if value is None:
             continue

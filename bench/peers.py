@@ -333,7 +333,7 @@ def _kept(update: str, remeasured: list[str], config: dict) -> dict:
     """What `run(update=...)` keeps of an earlier result: its other systems' runs, capacity and
     dates. It must have been run with the same grid, window and repetitions."""
     prev = json.loads(Path(update).read_text())
-    for key in ("grid_rps", "seconds_per_point", "drain_s", "repetitions", "slo"):
+    for key in ("grid_rps", "seconds_per_point", "drain_s", "repetitions", "slo", "workloads"):
         if prev["config"][key] != config[key]:
             raise SystemExit(f"{update} was run with {key}={prev['config'][key]}, this run {config[key]}")
     others = [n for n in prev["systems"] if n not in remeasured]
@@ -349,7 +349,7 @@ def _kept(update: str, remeasured: list[str], config: dict) -> dict:
 
 
 def run(quick: bool = False, systems: str | None = None, rates: str | None = None, repetitions: int | None = None,
-        out: str | None = None, update: str | None = None, **_: object) -> dict:
+        out: str | None = None, update: str | None = None, workloads: str | None = None, **_: object) -> dict:
     """With `update` (a result of this suite): the systems named are measured again on the same
     traces and replace theirs there; every other system's runs are kept as they were."""
     if not GUIDELLM.exists():
@@ -359,6 +359,9 @@ def run(quick: bool = False, systems: str | None = None, rates: str | None = Non
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; known: {sorted(SYSTEMS)}")
     grid = tuple(sorted(float(r) for r in rates.split(","))) if rates else GRID
+    chosen = [w for w in WORKLOADS if w in workloads.split(",")] if workloads else list(WORKLOADS)
+    if workloads and len(chosen) != len(set(workloads.split(","))):
+        raise SystemExit(f"unknown workloads in {workloads!r}; known: {list(WORKLOADS)}")
     reps = repetitions or (1 if quick else 3)
     seconds = 12.0 if quick else SECONDS
     reports = reports_beside(out)
@@ -367,7 +370,7 @@ def run(quick: bool = False, systems: str | None = None, rates: str | None = Non
     capacity: dict[str, dict] = {}
     unavailable: dict[str, str] = {}
     failures: list[dict] = []
-    config = {"slo": SLO, "grid_rps": list(grid), "workloads": list(WORKLOADS), "seconds_per_point": seconds,
+    config = {"slo": SLO, "grid_rps": list(grid), "workloads": chosen, "seconds_per_point": seconds,
               "drain_s": DRAIN_S, "repetitions": reps, "probe": {"streams": PROBE_STREAMS, "seconds": PROBE_S},
               "load_tool": "guidellm 0.8.1, replay of seeded arrivals, streaming /v1/chat/completions, temperature 0"}
     measured = list(names)  # the systems this run starts
@@ -401,7 +404,7 @@ def run(quick: bool = False, systems: str | None = None, rates: str | None = Non
         folder = Path(tmp)
         for rep in range(reps):
             order = names[rep % len(names):] + names[:rep % len(names)]  # who goes first rotates
-            for workload in WORKLOADS:
+            for workload in chosen:
                 for name in order:
                     if name in unavailable:
                         continue
