@@ -331,11 +331,13 @@ def _day(unix: float | None) -> str | None:
 
 def _kept(update: str, remeasured: list[str], config: dict) -> dict:
     """What `run(update=...)` keeps of an earlier result: its other systems' runs, capacity and
-    dates. It must have been run with the same grid, window and repetitions."""
+    dates. It must have been run with the same grid, window, repetitions and workloads."""
     prev = json.loads(Path(update).read_text())
+    every = {"workloads": list(WORKLOADS)}  # a result that names none ran them all
     for key in ("grid_rps", "seconds_per_point", "drain_s", "repetitions", "slo", "workloads"):
-        if prev["config"][key] != config[key]:
-            raise SystemExit(f"{update} was run with {key}={prev['config'][key]}, this run {config[key]}")
+        theirs, ours = prev["config"].get(key, every.get(key)), config.get(key, every.get(key))
+        if theirs != ours:
+            raise SystemExit(f"{update} was run with {key}={theirs}, this run {ours}")
     others = [n for n in prev["systems"] if n not in remeasured]
     return {
         "names": others,

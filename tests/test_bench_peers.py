@@ -231,3 +231,5 @@ def test_an_update_keeps_the_other_systems_and_refuses_a_different_grid(tmp_path
     assert _kept(str(path), ["ours"], config)["measured_at"] == {"llama-server": "2026-11-27"}
     with pytest.raises(SystemExit):
         _kept(str(path), ["ours"], {**config, "grid_rps": [1.0, 2.0]})
+    with pytest.raises(SystemExit):  # one workload measured again can't stand beside all four
+        _kept(str(path), ["ours"], {**config, "workloads": ["shared_prefix"]})
