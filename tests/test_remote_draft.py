@@ -41,6 +41,16 @@ def remote_app(service):
         yield base
 
 
+def _until_idle(base: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        admission = httpx.get(base + "/health", timeout=5).json()["admission"]
+        if admission["inflight"] == 0 and not any(admission["others_inflight"].values()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the remote app still counts requests in flight: {admission}")
+
+
 def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
     from openai import OpenAI
     from ray import serve
@@ -60,7 +70,10 @@ def test_remote_draft_matches_colocated_greedy_output(service, remote_app):
             c.choices[0].delta.content or "" for c in remote.chat.completions.create(stream=True, **kwargs) if c.choices
         )
         assert streamed == expected, f"remote {streamed!r} != colocated {expected!r}"
-    # Remote routing: `auto` is decided by the Router deployment, the embedding sent along.
+    # Remote routing: `auto` is decided by the Router deployment, the embedding sent along. On a
+    # busy box a request stops waiting for a late verdict ("router_late", placement.py), so it
+    # is sent once the requests above have left every ingress's count (as last synced).
+    _until_idle(remote_app)
     routed = remote.chat.completions.with_raw_response.create(
         model="auto", messages=[{"role": "user", "content": "What is the capital of Japan?"}], max_tokens=4,
         extra_headers=NO_CACHE,
