@@ -51,9 +51,11 @@ class Ewma:
 class ByConcurrency:
     """A cost per concurrency level (1, 2, 4, 8, ...), learned online. Between observed levels:
     interpolated; below the lowest: the lowest's; above the highest (or with nothing observed,
-    from the prior): each added sequence is assumed to add half the cost again. Pessimistic
-    enough not to over-admit, optimistic enough that a higher concurrency gets tried, and then
-    observed.
+    from the prior): as the `shape` rises, where the model's replica timed its batched step
+    (`seed`), else each added sequence is assumed to add half the cost again. A batching engine's
+    step costs far less than that per added sequence: priced by the guess, an ingress that had
+    not yet seen a model at some load held its requests at the head of the queue for seconds,
+    for a per-token target the model met with room to spare, and never learned otherwise.
 
     A level last observed over `max_age_s` ago fades toward the extrapolation from the fresh
     levels: its log-distance from it halves every `half_life_s`. Kept as it was, one bad spell
@@ -71,6 +73,12 @@ class ByConcurrency:
     max_age_s: float = MAX_AGE_S
     half_life_s: float = STALE_HALF_LIFE_S
     clock: Callable[[], float] = time.monotonic
+    shape: list[tuple[int, float]] = field(default_factory=list)  # measured cost by level, ascending
+
+    def seed(self, by_level: dict[int, float]) -> None:
+        """The cost by concurrency level as measured once (a batched step of n sequences): the
+        prior with nothing observed, and how it rises above the highest level observed."""
+        self.shape = sorted((int(b), float(v)) for b, v in by_level.items() if v > 0)
 
     def add(self, concurrency: float, value: float, weight: float = 1.0) -> None:
         level, now = _bucket(concurrency), self.clock()
@@ -88,7 +96,7 @@ class ByConcurrency:
         out = dict(fresh)
         for b, v in known.items():
             if b not in out:
-                expected = _interpolate(fresh, b)
+                expected = _interpolate(fresh, b, self.shape)
                 weight = 0.5 ** ((now - self.updated[b] - self.max_age_s) / self.half_life_s)
                 out[b] = expected * (v / expected) ** weight if expected > 0 and v > 0 else expected
         return sorted(out.items())
@@ -96,8 +104,10 @@ class ByConcurrency:
     def at(self, concurrency: float, prior: float) -> float:
         known = self._known()
         if not known:
+            if self.shape:
+                return _interpolate(self.shape, concurrency)
             return prior * (1 + BATCH_COST * (max(1.0, concurrency) - 1))
-        return _interpolate(known, concurrency)
+        return _interpolate(known, concurrency, self.shape)
 
     def snapshot(self) -> dict[int, float | None]:
         """Every level's value as `at` uses it (a stale one faded)."""
@@ -105,9 +115,10 @@ class ByConcurrency:
         return {b: _round(live.get(b)) for b in sorted(self.levels)}
 
 
-def _interpolate(known: list[tuple[int, float]], concurrency: float) -> float:
-    """Between observed levels: linear; below the lowest: the lowest's; above the highest: each
-    added sequence adds BATCH_COST of the highest's cost again."""
+def _interpolate(known: list[tuple[int, float]], concurrency: float, shape: list[tuple[int, float]] | None = None) -> float:
+    """Between observed levels: linear; below the lowest: the lowest's; above the highest: the
+    highest's, times how much `shape` rises from there (where it has levels that high), and past
+    that each added sequence adds BATCH_COST of the cost again."""
     c = max(1.0, concurrency)
     if c <= known[0][0]:
         return known[0][1]
@@ -115,6 +126,9 @@ def _interpolate(known: list[tuple[int, float]], concurrency: float) -> float:
         if c <= b1:
             return v0 + (v1 - v0) * (c - b0) / (b1 - b0)
     top, value = known[-1]
+    if shape and shape[-1][0] > top:
+        rise = _interpolate(shape, c) / _interpolate(shape, top)
+        return value * max(1.0, rise)
     return value * (1 + BATCH_COST * (c / top - 1))
 
 
@@ -232,6 +246,12 @@ class ModelEstimates:
         per_token = self.prefill_ms_per_token.at(concurrency, self.prior_prefill_ms_per_token)
         return self.prefill_fixed_ms() + per_token * prompt_tokens + (self.overhead_ms.value or 0.0)
 
+    def seed_itl(self, step_ms_by_batch: dict[int, float]) -> None:
+        """A decode step of n sequences as the model's replica timed it at its start
+        (target/calibration.py: plain_step_ms): the ITL by concurrency until observed here, and
+        how it rises above the levels observed."""
+        self.itl.seed(step_ms_by_batch)
+
     def prefill_fixed_ms(self) -> float:
         """A prefill pass's fixed part: fitted, or the prior until it can be."""
         fitted = self.prefill_fixed.fitted()
@@ -274,6 +294,7 @@ class ModelEstimates:
             "overhead_ms": _round(self.overhead_ms.value),
             "output_fraction": _round(self.output_fraction.value),
             "itl_ms_by_concurrency": self.itl.snapshot(),
+            "itl_seeded_ms_by_concurrency": {b: _round(v) for b, v in self.itl.shape},
             "completions": self.output_fraction.samples,
         }
 

@@ -166,6 +166,11 @@ class AdmissionPolicy:
         if per_token_ms > 0:
             self.estimates[model_id].seed_prefill(fixed_ms, per_token_ms)
 
+    def seed_itl(self, model_id: str, step_ms_by_batch: dict[int, float]) -> None:
+        """The batched decode step the model's replica timed at its start: how its ITL rises
+        with concurrency until observed here."""
+        self.estimates[model_id].seed_itl(step_ms_by_batch)
+
     # ------------------------------------------------------------------ the controller's view
 
     def set_seats(self, seats_per_replica: dict[str, tuple[str, int]], replicas: dict[str, int] | None = None) -> None:

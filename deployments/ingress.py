@@ -332,7 +332,7 @@ class Ingress:
 
     async def _warm(self, calls, finding: list[tuple[ChannelPool, DeploymentHandle, str | None]]) -> None:
         """Until every stage answers: then join the direct port. A model's answer carries the
-        prefill cost its replica timed at its start, admission's prior for it."""
+        prefill and batched decode costs its replica timed at its start, admission's priors for it."""
         for call, model_id in calls:
             while True:
                 try:
@@ -342,6 +342,8 @@ class Ingress:
                     await asyncio.sleep(0.5)
             if model_id is not None and isinstance(stats, dict) and "prefill_ms_per_token" in stats:
                 self.pipeline.admission.seed_prefill(model_id, stats["prefill_fixed_ms"], stats["prefill_ms_per_token"])
+            if model_id is not None and isinstance(stats, dict) and stats.get("decode_step_ms_by_batch"):
+                self.pipeline.admission.seed_itl(model_id, {int(n): ms for n, ms in stats["decode_step_ms_by_batch"].items()})
         if finding:  # the first requests already take the side channels
             await self._find_channels(finding)
             self._channel_task = asyncio.create_task(self._find_channels_forever(finding))

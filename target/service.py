@@ -111,15 +111,20 @@ class ModelService:
         # On the worker thread, like every later forward pass (target/calibration.py).
         model_id, on_worker = config.engine.model_id, self.executor.submit
         self.prefill_cost: tuple[float, float] | None = None  # (fixed ms, ms per token), timed on this replica
+        self.step_ms_by_batch: dict[int, float] = {}  # a plain decode step of n sequences, timed on this replica
         if config.engine.warmup:
             on_worker(calibration.warm_up, model_id, self.engine, self.draft_engine).result()
             self.prefill_cost = on_worker(calibration.prefill_cost, model_id, self.engine).result()
+            if self.max_batch > 1:
+                self.step_ms_by_batch = on_worker(calibration.plain_step_ms, model_id, self.engine, self.max_batch).result()
         if self.proposers:
             self.costs = on_worker(
                 calibration.speculation_costs, model_id, self.engine, self.draft_engine, config.speculative
             ).result()
             if self.max_batch > 1:
-                batch_ms = on_worker(calibration.plain_step_ms, model_id, self.engine, self.max_batch).result()
+                batch_ms = self.step_ms_by_batch or on_worker(
+                    calibration.plain_step_ms, model_id, self.engine, self.max_batch
+                ).result()
                 self.step_mode = StepModeChooser(batch_ms, self.max_batch, self._turn_token_ms)
 
     async def warmup(self) -> None:
@@ -138,6 +143,8 @@ class ModelService:
         out = {**self.stats.as_dict(), **(cache.stats() if cache is not None else {})}
         if self.prefill_cost is not None:  # admission's prior for this model (ingress/pipeline.py)
             out["prefill_fixed_ms"], out["prefill_ms_per_token"] = (round(v, 3) for v in self.prefill_cost)
+        if self.step_ms_by_batch:  # admission's ITL prior by concurrency for this model
+            out["decode_step_ms_by_batch"] = {n: round(ms, 3) for n, ms in self.step_ms_by_batch.items()}
         if self.step_mode is not None:
             out["step_mode_batched"] = self.step_mode.decisions["batched"]
             out["step_mode_turns"] = self.step_mode.decisions["turns"]

@@ -516,6 +516,32 @@ def test_a_per_token_target_queues_a_request_past_the_boxs_knee_and_starts_it_wh
     assert free.in_time(Ticket("m", "t", 0, 10, 20, deadline=time.monotonic() + 60))
 
 
+def test_a_model_its_replica_timed_batched_is_priced_by_that_step_not_the_guess():
+    # The replica's start-up timing: a batched step of 8 costs 1.6x one of 1, far less than the
+    # guess of half a step more per added sequence (4.5x).
+    step = {1: 20.0, 2: 22.0, 4: 26.0, 8: 32.0}
+    est = ServiceEstimates(60.0, 0.1)["m"]
+    assert est.itl_ms(8) == pytest.approx(270.0)  # the guess, with nothing timed or observed
+    est.seed_itl(step)
+    assert est.itl_ms(1) == pytest.approx(20.0) and est.itl_ms(6) == pytest.approx(29.0)
+    assert est.itl_ms(16) == pytest.approx(32.0 * 1.5)  # past the timed batches: the guess's slope
+    # Observed at one level, it rises above it as the timed step does, from what was observed.
+    for _ in range(3):
+        _done(est, 2, 44.0)
+    assert est.itl_ms(2) == pytest.approx(44.0) and est.itl_ms(8) == pytest.approx(44.0 * 32 / 22)
+    assert est.itl_ms(1) == pytest.approx(44.0)  # below the lowest observed: as observed
+    # A gate on this model starts an eighth stream under a 200 ms per-token target, which the
+    # guess (4.5x one step) holds at the head of the queue for a model with nothing observed.
+    for seeded in (True, False):
+        gate = AdmissionGate(16, 8, 1, ServiceEstimates(60.0, 0.1), safety=1.1)
+        if seeded:
+            gate.estimates["m"].seed_itl(step)
+        for _ in range(7):
+            gate.running.add(Ticket("m", "t", 0, 10, 20, deadline=time.monotonic() + 60, tpot_ms=200))
+        eighth = Ticket("m", "t", 0, 10, 20, deadline=time.monotonic() + 60, tpot_ms=200)
+        assert gate.in_time(eighth) is seeded
+
+
 def test_a_request_larger_than_the_token_burst_goes_through_on_a_full_bucket_and_leaves_a_debt():
     now = [0.0]
     config = AdmissionConfig(tenants={"default": TenantLimits(tokens_per_s=10, token_burst=100)})

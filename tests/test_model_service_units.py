@@ -299,10 +299,11 @@ def test_the_step_queue_batches_by_deadline_and_schedules_one_runner_at_a_time()
         loop.close()
 
 
-def test_a_replica_measures_its_prefill_cost_for_admissions_prior():
+def test_a_replica_measures_its_prefill_and_batched_step_for_admissions_priors():
     """A model replica measures a prefill's fixed part and per-token cost at its start (two
-    prompts nothing is cached for) and reports them; an ingress seeds admission with them, so
-    the first prompts after a start are not priced by the configured guess."""
+    prompts nothing is cached for), and a plain decode step of 1 to 8 sequences, and reports
+    them; an ingress seeds admission with them, so the first prompts after a start are not
+    priced by the configured guess, nor the ITL of several streams by a guessed batch cost."""
     from admission.policy import AdmissionPolicy
     from configs.schemas import AdmissionConfig
     from configs.serve_config import load_serve_config
@@ -318,6 +319,12 @@ def test_a_replica_measures_its_prefill_cost_for_admissions_prior():
     est = policy.estimates[stage.engine.model_id]
     assert est.prefill_ms(400) == pytest.approx(fixed + 400 * per_token)
     assert policy.estimates["another"].prefill_ms(400) == pytest.approx(400 * AdmissionConfig().prior_prefill_ms_per_token)
+    step = stats["decode_step_ms_by_batch"]
+    assert sorted(step) == [1, 2, 4, 8] and all(0 < ms < 1000 for ms in step.values()), step
+    # Batched on the shipped engine, 8 sequences' step costs less than 8 single steps.
+    assert step[8] < 8 * step[1], step
+    policy.seed_itl(stage.engine.model_id, step)
+    assert est.itl_ms(8) == pytest.approx(step[8]) and est.itl_ms(1) == pytest.approx(step[1])
 
 
 
