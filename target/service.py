@@ -135,7 +135,7 @@ class ModelService:
         drafted = [self.costs.steady_token_ms(p.name) for p in self.proposers if not p.free]
         return min([*drafted, self.costs.verify_ms(1)])
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[str, object]:
         """The counters, plus the prefix cache's (hit rate, blocks, memory) where the engine has
         one, the step modes chosen, and, with host tuning, the forward passes by thread count and
         the prefills begun beside a cache lookup."""
