@@ -115,17 +115,14 @@ class ModelService:
         if config.engine.warmup:
             on_worker(calibration.warm_up, model_id, self.engine, self.draft_engine).result()
             self.prefill_cost = on_worker(calibration.prefill_cost, model_id, self.engine).result()
-            if self.max_batch > 1:
-                self.step_ms_by_batch = on_worker(calibration.plain_step_ms, model_id, self.engine, self.max_batch).result()
         if self.proposers:
             self.costs = on_worker(
                 calibration.speculation_costs, model_id, self.engine, self.draft_engine, config.speculative
             ).result()
-            if self.max_batch > 1:
-                batch_ms = self.step_ms_by_batch or on_worker(
-                    calibration.plain_step_ms, model_id, self.engine, self.max_batch
-                ).result()
-                self.step_mode = StepModeChooser(batch_ms, self.max_batch, self._turn_token_ms)
+        if self.max_batch > 1 and (config.engine.warmup or self.proposers):  # admission's and the chooser's prior
+            self.step_ms_by_batch = on_worker(calibration.plain_step_ms, model_id, self.engine, self.max_batch).result()
+        if self.proposers and self.step_ms_by_batch:
+            self.step_mode = StepModeChooser(self.step_ms_by_batch, self.max_batch, self._turn_token_ms)
 
     async def warmup(self) -> None:
         """Nothing left to do: the constructor warmed the engines on the worker thread."""
