@@ -278,6 +278,17 @@ class ModelEstimates:
             return self.itl_ms(concurrency)
         return max(self.itl_ms(concurrency), self.step.at(concurrency, self.prior_itl_ms))
 
+    def engine_step_ms(self, sequences: float) -> float:
+        """One decode step of this many of the model's own sequences, as its replica timed it
+        alone at its start (`seed_itl`); until timed, as observed here."""
+        return _interpolate(self.itl.shape, sequences) if self.itl.shape else self.step_ms(sequences)
+
+    def expected_rounds(self, max_tokens: int, concurrency: float) -> float:
+        """Engine steps a request is expected to take: its tokens, over the tokens a step yields
+        at this concurrency (more than one where the model speculates)."""
+        itl, step = self.itl_ms(concurrency), self.step_ms(concurrency)
+        return self.expected_tokens(max_tokens) * (itl / step if step > 0 else 1.0)
+
     def prompt_wait_ms(self, concurrency: float) -> float:
         """A new prompt's wait for the step in progress, with this many requests running on the
         box beside it: as observed, or one step until a wait is."""

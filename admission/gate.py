@@ -110,9 +110,13 @@ class AdmissionGate:
         Then `t` would wait on their batched steps (a flood's long answers) at every token."""
         return self.shares.crowded(t, self.running, self.seats.get(t.model_id), self.others_inflight.get(t.model_id, 0))
 
+    def running_on(self, model_id: str) -> int:
+        """Requests running on `model_id`, here and (as last synced) on the other ingress replicas."""
+        return sum(1 for t in self.running if t.model_id == model_id) + self.others_inflight.get(model_id, 0)
+
     def model_idle(self, model_id: str) -> bool:
         """Nothing runs on `model_id`, here or (as last synced) on the other ingress replicas."""
-        return not any(t.model_id == model_id for t in self.running) and not self.others_inflight.get(model_id)
+        return self.running_on(model_id) == 0
 
     def _waiting_tenants(self) -> set[str]:
         return {q.tenant for *_, q, w in self._queue if not w.done()}
@@ -125,8 +129,7 @@ class AdmissionGate:
         seats = self.seats.get(model_id)
         if seats is None:
             return True
-        mine = sum(1 for t in self.running if t.model_id == model_id)
-        return mine + self.others_inflight.get(model_id, 0) < seats
+        return self.running_on(model_id) < seats
 
     def _seat_free_at(self, t: Ticket, now: float) -> float:
         """When a seat of `t`'s model is expected to free up: the soonest of this ingress's own

@@ -11,7 +11,8 @@ in the order they apply:
                         (`by_load`; before admission, in FIFO mode too)
     busy_box_downgrade  on a small box whose models share the cores (host tuning on): with
                         `busy_from` requests running, the small model has a free seat and is
-                        predicted to finish the request no later than the large one
+                        predicted to finish the request no later than the large one, which
+                        would wait for the small model's running streams' steps
     deadline_downgrade  the large model would shed it, or miss or cut close its deadlines, and
                         the small one would take it in time (tiers with `downgrade` only)
     deadline_upgrade    the small model can't start it in time and the large one can
@@ -95,7 +96,22 @@ class ModelChoice:
         gate = self.gate
         if self.busy_from is None or gate.concurrency() < self.busy_from or not gate.seat_free(small.model_id):
             return False
-        return gate.predicted(small).e2e_ms <= gate.predicted(large).e2e_ms
+        return gate.predicted(small).e2e_ms <= self._large_finish_beside_small(large, small.model_id)
+
+    def _large_finish_beside_small(self, large: Ticket, small: str) -> float:
+        """The large model's predicted finish (ms), each of its steps waiting for a step of the
+        streams running on the small model: the engines take turns for the shared cores
+        (host_tuning/cores.py), and on a busy box the small model's streams last (new requests
+        go there) while the large model's drain. The ITL learned by the box's concurrency holds
+        that wait only in the mix of models it was observed at; a request sent to the large model
+        beside them pays it at every step."""
+        gate = self.gate
+        predicted = gate.predicted(large).e2e_ms
+        beside = gate.running_on(small)
+        if beside == 0:
+            return predicted
+        rounds = gate.estimates[large.model_id].expected_rounds(large.max_tokens, gate.concurrency() + 1)
+        return predicted + rounds * gate.estimates[small].engine_step_ms(beside)
 
     def _deadline_move(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:
         """Up to the large model when the small one can't start it now in time (it would queue

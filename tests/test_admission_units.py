@@ -1223,3 +1223,34 @@ def test_a_queued_first_token_needs_the_tail_to_spare_not_the_deadline_headroom(
     assert gate._meets(t, Prediction(300.0, 900.0, 5_000.0), now), "900 ms against 1 s: queued"
     assert not gate._meets(t, Prediction(300.0, 1_050.0, 5_000.0), now), "past the target: shed"
     assert not gate._meets(t, Prediction(300.0, 900.0, 13_000.0), now), "the deadline keeps its headroom"
+
+
+def test_on_a_busy_box_the_idle_large_model_is_priced_with_the_small_ones_steps_it_waits_for():
+    """Three streams run on the small model of a box whose models take turns for the cores. A
+    hard request the large model alone would finish a little sooner goes small: on the large
+    model each of its steps would wait for a batched step of those three. With the three on the
+    large model instead, the same request stays there and joins their batch."""
+    from admission.model_choice import ModelChoice
+
+    def box(running_on: str) -> tuple[AdmissionGate, ModelChoice]:
+        gate = AdmissionGate(16, 8, 1, ServiceEstimates(60.0, 0.1), safety=1.0)
+        gate.shared_cores = True
+        gate.estimates["small"].seed_itl({1: 20.0, 2: 22.0, 4: 26.0, 8: 32.0})
+        gate.estimates["large"].seed_itl({1: 30.0, 2: 33.0, 4: 39.0, 8: 48.0})
+        for model, itl in (("small", 45.0), ("large", 40.0)):  # as learned at 4 on the box, either mix
+            for _ in range(3):
+                _done(gate.estimates[model], 4, itl)
+        for _ in range(3):
+            gate.running.add(Ticket(running_on, "standard", 0, 10, 64, deadline=time.monotonic() + 60))
+        return gate, ModelChoice(gate, "large", "small", busy_from=1)
+
+    def choose(gate: AdmissionGate, choice: ModelChoice):
+        large = Ticket("large", "standard", 0, 10, 64, deadline=time.monotonic() + 60)
+        small = Ticket("small", "standard", 0, 10, 64, deadline=time.monotonic() + 60)
+        assert gate.predicted(large).e2e_ms < gate.predicted(small).e2e_ms  # alone, large is sooner
+        return choice.choose(large, small, downgrade=True)
+
+    moved = choose(*box("small"))
+    assert (moved.ticket.model_id, moved.reason) == ("small", "busy_box_downgrade")
+    stays = choose(*box("large"))
+    assert (stays.ticket.model_id, stays.reason) == ("large", None)
