@@ -4,7 +4,8 @@ A request's time in the model is prefill (a fixed part per pass plus ms per prom
 one decode step per output token. On a batching engine a step's cost depends on how many
 sequences share it, so the inter-token latency is kept per concurrency level (1, 2, 4, 8, ... in
 flight). The ITL observed at the client already includes speculative decoding's live acceptance
-rate: more tokens accepted per round is a lower ITL.
+rate: more tokens accepted per round is a lower ITL. Each ingress replica learns from every
+replica's completions (relayed by the controller: admission/sync.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 PRIOR_OUTPUT_FRACTION = 0.5  # of max_tokens, until observed
 BATCH_COST = 0.5  # share of a step's cost each extra sequence adds, where not observed
@@ -310,6 +311,15 @@ class ModelEstimates:
         }
 
 
+@dataclass(frozen=True)
+class Observation:
+    """One request's service times on its model, as `ModelEstimates.observe` takes them: what
+    an ingress learns from, its own completions and the other ingress replicas' (admission/sync.py)."""
+
+    model_id: str
+    times: dict[str, Any]  # ModelEstimates.observe's keyword arguments
+
+
 class ServiceEstimates:
     """Estimates for every model this ingress sends requests to."""
 
@@ -323,6 +333,9 @@ class ServiceEstimates:
         if model_id not in self.models:
             self.models[model_id] = ModelEstimates(*self._priors, max_age_s=self.max_age_s, half_life_s=self.half_life_s)
         return self.models[model_id]
+
+    def learn(self, observation: Observation) -> None:
+        self[observation.model_id].observe(**observation.times)
 
     def snapshot(self) -> dict:
         return {m: e.snapshot() for m, e in self.models.items()}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,8 @@ class ReplicaReport:
     running_by_model: dict[str, int] = field(default_factory=dict)
     invalidation_seq: int = -1  # the cache invalidations this replica has applied (semantic_cache/invalidations.py)
     active_tenants: tuple[str, ...] = ()  # its most recently active tenants (admission/fair_share.py)
+    observations: list = field(default_factory=list)  # its completions since its last report (Observation)
+    observations_seq: int = -1  # the other replicas' observations it has learned from
 
 
 @dataclass(slots=True)
@@ -30,6 +34,13 @@ class AdmissionShare:
     replicas: dict[str, int] = field(default_factory=dict)  # RUNNING replicas by deployment name (the controller's last count)
     invalidations: Any = None  # cache invalidations since the report's invalidation_seq (Invalidations)
     others_tenants: tuple[str, ...] = ()  # tenants active on the other replicas
+    observations: list = field(default_factory=list)  # the other replicas' completions it has not seen
+    observations_seq: int = -1  # the newest of them: the report's next observations_seq
+
+
+# Completions kept for replicas to learn from each other: a replica that falls further behind
+# than this (a stall of many syncs) skips the oldest.
+OBSERVATIONS_KEPT = 1024
 
 
 class AdmissionLedger:
@@ -37,6 +48,11 @@ class AdmissionLedger:
         self.config = config
         self._clock = clock
         self._seen: dict[str, tuple[float, ReplicaReport]] = {}
+        # Every replica's completions, (seq, replica, observation), relayed to the others: each
+        # ingress then prices a model by what every ingress saw it do, not by its half of them.
+        self._observations: deque[tuple[int, str, object]] = deque(maxlen=OBSERVATIONS_KEPT)
+        self._seq = itertools.count()
+        self._last_seq = -1
 
     def report(self, replica_id: str, report: ReplicaReport) -> AdmissionShare:
         now = self._clock()
@@ -52,13 +68,29 @@ class AdmissionLedger:
                 for model, n in r.running_by_model.items():
                     others[model] = others.get(model, 0) + n
                 tenants.update(r.active_tenants)
+        theirs = self._relay(replica_id, report)
         return AdmissionShare(
             max_inflight=max(1, math.ceil(self.config.max_inflight / live)),
             max_queued=math.ceil(self.config.max_queued / live),
             live_replicas=live,
             others_inflight=others,
             others_tenants=tuple(sorted(tenants)),
+            observations=theirs,
+            observations_seq=self._last_seq,
         )
+
+    def _relay(self, replica_id: str, report: ReplicaReport) -> list:
+        """Keep the replica's new completions; return the other replicas' it has not seen. A
+        replica's first report gets none: what was observed before it started is older than
+        its own first observations, and would be learned as new."""
+        since = report.observations_seq
+        if since > self._last_seq:  # a seq of a ledger before this one (the controller restarted)
+            since = -1
+        theirs = [] if since < 0 else [o for seq, rid, o in self._observations if seq > since and rid != replica_id]
+        for o in report.observations:
+            self._last_seq = next(self._seq)
+            self._observations.append((self._last_seq, replica_id, o))
+        return theirs
 
     def totals(self) -> dict[str, int]:
         reports = [r for _, r in self._seen.values()]

@@ -7,10 +7,11 @@ service-wide shares and the fleet's load in the background (admission/sync.py).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Literal, Mapping
 
-from admission.estimates import ServiceEstimates
+from admission.estimates import Observation, ServiceEstimates
 from admission.gate import AdmissionGate, Rejection, Ticket
 from admission.limits import OverLimit, TenantLimiter
 from admission.prefix_memory import PrefixMemory
@@ -19,6 +20,7 @@ from admission.errors import AdmissionError
 from admission.request import RequestContext
 
 Mode = Literal["predictive", "fifo"]
+OUTBOX_KEPT = 512  # completions kept for the controller between syncs
 
 
 class AdmissionPolicy:
@@ -36,6 +38,9 @@ class AdmissionPolicy:
         self.prefixes = PrefixMemory()
         # model id -> (its deployment, sequences one replica holds): llama.cpp's KV contexts.
         self.seats_per_replica: dict[str, tuple[str, int]] = {}
+        # Completions not yet sent to the controller for the other ingress replicas to learn
+        # from; bounded, so a controller away for long costs the oldest, not memory.
+        self.outbox: deque[Observation] = deque(maxlen=OUTBOX_KEPT)
         self.synced_at: float | None = None  # when the controller's view last arrived
         self.max_view_age_ms = 0.0  # the stalest the view got between two syncs
 
@@ -146,13 +151,27 @@ class AdmissionPolicy:
         # Filed under what its decode ran beside; without a first token seen, its ends' mean.
         during = self.gate.occupancy.mean_since(ticket.decode_from) if ticket.decode_from else None
         concurrency = during or (ticket.concurrency_at_start + self.gate.concurrency()) / 2
-        self.estimates[ticket.model_id].observe(
+        observation = Observation(ticket.model_id, dict(
             prompt_tokens=max(1, ticket.prompt_tokens - reused_tokens), prefill_ms=prefill_ms, ttft_ms=ttft_ms,
             queue_ms=queue_ms,
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
             concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks, cut_short=cut_short,
             behind_step=ticket.behind_step, longest_step_ms=self._longest_step_ms(ticket) if ticket.behind_step else None,
-        )
+        ))
+        self.estimates.learn(observation)
+        self.outbox.append(observation)
+
+    def take_observations(self) -> list[Observation]:
+        """This replica's completions since the last call: for the controller to relay."""
+        taken = list(self.outbox)
+        self.outbox.clear()
+        return taken
+
+    def learn_from_others(self, observations: Iterable[Observation]) -> None:
+        """The other ingress replicas' completions: the models' speeds they saw, learned here as
+        this replica's own are (the same models, concurrency counted the same way: every replica's)."""
+        for observation in observations:
+            self.estimates.learn(observation)
 
     def _longest_step_ms(self, ticket: Ticket) -> float:
         """The longest step a prompt started beside running requests could wait for: its own

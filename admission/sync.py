@@ -26,14 +26,17 @@ class AdmissionSync:
         self.replica_id = replica_id
         self.interval_s = interval_s
         self.last_share: AdmissionShare | None = None
+        self.observations_seq = -1  # the other replicas' completions learned from, by the ledger's count
 
     async def sync_once(self) -> AdmissionShare:
         gate = self.policy.gate
         report = ReplicaReport(
             gate.inflight, gate.queued, gate.admitted, sum(gate.rejected.values()), gate.running_by_model(),
-            self.invalidation_seq, gate.shares.active_here(),
+            self.invalidation_seq, gate.shares.active_here(), self.policy.take_observations(), self.observations_seq,
         )
         share = await self._report(self.replica_id, report)
+        self.policy.learn_from_others(share.observations)
+        self.observations_seq = share.observations_seq
         if share.invalidations is not None:
             if share.invalidations.tenants and self.on_invalidated is not None:
                 self.on_invalidated(share.invalidations.tenants)

@@ -1254,3 +1254,41 @@ def test_on_a_busy_box_the_idle_large_model_is_priced_with_the_small_ones_steps_
     assert (moved.ticket.model_id, moved.reason) == ("small", "busy_box_downgrade")
     stays = choose(*box("large"))
     assert (stays.ticket.model_id, stays.reason) == ("large", None)
+
+
+def test_each_ingress_replica_learns_the_models_speeds_from_every_replicas_completions():
+    """Clients' connections land on one ingress replica or the other: each saw half of a model's
+    completions, and each priced the model by its half (one had a model at 93 ms a token where
+    the other had it at 47). Completions now cross replicas through the controller's ledger, once
+    each: a replica learns the other's, never its own twice, and none from before it started."""
+    from admission.policy import AdmissionPolicy
+    from admission.sync import AdmissionSync
+
+    ledger = AdmissionLedger(AdmissionConfig(max_inflight=32, max_queued=8))
+    a, b = AdmissionPolicy(AdmissionConfig(max_inflight=32)), AdmissionPolicy(AdmissionConfig(max_inflight=32))
+
+    async def report(replica_id, r):
+        return ledger.report(replica_id, r)
+
+    def finish(policy: AdmissionPolicy, itl_ms: float) -> None:
+        t = Ticket("m", "t", 0, 10, 20)
+        t.concurrency_at_start = 4
+        policy.observe(t, ttft_ms=50.0, queue_ms=0.0, prefill_ms=40.0, completion_tokens=11, total_ms=50.0 + 10 * itl_ms)
+
+    async def main():
+        sync_a, sync_b = AdmissionSync(a, report, "a", 1.0), AdmissionSync(b, report, "b", 1.0)
+        finish(a, 500.0)  # before b's first report: b never learns it
+        await sync_a.sync_once()
+        await sync_b.sync_once()
+        assert "m" not in b.estimates.models
+        for _ in range(3):
+            finish(a, 90.0)
+        await sync_a.sync_once()
+        await sync_b.sync_once()
+        assert b.estimates["m"].itl_ms(2) == pytest.approx(90.0)  # filed where a filed them
+        assert b.estimates["m"].output_fraction.samples == 3
+        await sync_b.sync_once()
+        await sync_a.sync_once()  # nothing new either way: nothing learned twice
+        assert b.estimates["m"].output_fraction.samples == 3 and a.estimates["m"].output_fraction.samples == 4
+
+    asyncio.run(main())
