@@ -272,16 +272,19 @@ def test_an_auto_request_waits_for_the_routers_verdict_only_verdict_wait_ms_then
     forced, decision, answered, calls = asyncio.run(late_router_served())
     assert (forced.model_id, forced.reason) == (large, "router_late") and calls == 1
     assert not answered, "committed without the slow embedding's verdict"
-    # Both models predicted alike, the small one busy: it would finish later there, so it stays.
-    assert (decision.model_id, decision.reason) == (large, "router_late")
-    # The small model measured faster: the shipped small-box profile moves it there, since it
-    # runs the one request on the box and has seats free (host_tuning.busy_box_small_from).
-    pipeline.admission.estimates[small].itl.add(1, 5.0)
-    pipeline.admission.estimates[large].itl.add(1, 80.0)
+    # Both models predicted alike, the small one busy: the shipped small-box profile moves it
+    # there (host_tuning.busy_box_small_from), since on the large model each of its steps would
+    # also wait for the small model's, and the small one has seats free.
+    assert (decision.model_id, decision.reason) == (small, "busy_box_downgrade")
+    busy_from = pipeline.placement.choice.busy_from
+    pipeline.placement.choice.busy_from = None  # the busy box off: admitted where the router committed
     other.finish_at = time.monotonic() + 0.2
     forced, decision, _, calls = asyncio.run(late_router_served())
-    assert (decision.model_id, decision.reason) == (small, "busy_box_downgrade")
-    pipeline.placement.choice.busy_from = None  # the busy box off: admitted where the router committed
+    assert (decision.model_id, decision.reason) == (large, "router_late")
+    # The small model measured far slower: it would finish later there, so it stays.
+    pipeline.placement.choice.busy_from = busy_from
+    pipeline.admission.estimates[small].itl.add(1, 400.0)
+    pipeline.admission.estimates[large].itl.add(1, 20.0)
     other.finish_at = time.monotonic() + 0.2
     forced, decision, _, calls = asyncio.run(late_router_served())
     assert (decision.model_id, decision.reason) == (large, "router_late")
