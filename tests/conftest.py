@@ -177,7 +177,7 @@ def service(serve_file, otlp_sink):
 
     def one_ingress(options):
         # The tight admission limits above are one gate's: two ingress replicas would split
-        # them. The shipped two replicas are tested as shipped (test_defaults, test_faults).
+        # them. The shipped two replicas are tested as shipped (test_defaults).
         options["Ingress"].pop("autoscaling_config", None)
         options["Ingress"]["num_replicas"] = 1
 
