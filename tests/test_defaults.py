@@ -16,8 +16,7 @@ import pytest
 
 from bench.local import kill_replica, replicas, wait_replaced
 from tests.test_auth import TARGET, _pipeline
-
-NO_CACHE = {"Cache-Control": "no-cache, no-store", "x-slo-tier": "batch"}
+from tests.test_faults import NO_CACHE
 
 
 @dataclass(frozen=True)
