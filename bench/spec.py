@@ -274,7 +274,7 @@ def run(requests: int = 3, max_tokens: int = 128, quick: bool = False) -> dict:
             if "draft_model" in method and service.draft_engine is None:
                 continue
             cfg = stage.speculative.model_copy(update={"method": method})
-            proposers, _ = build_proposers(cfg, draft_engine=service.draft_engine)
+            proposers, _ = build_proposers(cfg, draft_engine=service.draft_engine, target_engine=service.engine)
             candidates[method] = (proposers, copy.deepcopy(service.costs))
 
     # Every forward pass runs on the service's one worker thread, as in a replica: OpenMP keeps a

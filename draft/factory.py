@@ -12,10 +12,13 @@ def build_proposers(
     remote_draft: Proposer | None = None,
     draft_engine: Engine | None = None,
     share_cores: bool = False,
+    target_engine: Engine | None = None,
 ) -> tuple[list[Proposer], Engine | None]:
     """Return (drafters, the co-located draft engine if any). Free lookups first.
 
-    Pass `draft_engine` to reuse a loaded engine instead of building one from the config.
+    Pass `draft_engine` to reuse a loaded engine instead of building one from the config, and
+    `target_engine` (the engine the drafts are for) so that a co-located draft can take each
+    prompt's KV from it.
     """
     if config.method == "none":
         return [], None
@@ -35,5 +38,5 @@ def build_proposers(
 
                 assert config.draft_engine is not None
                 draft_engine = build_engine(config.draft_engine, share_cores)
-            parts.append(ModelDraft(draft_engine))
+            parts.append(ModelDraft(draft_engine, target_engine))
     return parts, (draft_engine if "draft_model" in config.method and config.placement == "colocated" else None)

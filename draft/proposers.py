@@ -45,9 +45,13 @@ class Proposer(ABC):
     # TTFT.
     prompt_waiting: Callable[[], bool] | None = None
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> Any:
+    def begin(
+        self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0,
+        target_seq: Sequence | None = None,
+    ) -> Any:
         """Per-request state (returned to the caller, passed back on every call). `salt`: the
-        request's tenant (engines/blocks.py), for a drafter that keeps prefix KV."""
+        request's tenant (engines/blocks.py), for a drafter that keeps prefix KV. `target_seq`:
+        the request's sequence in the target engine, whose KV a drafter beside it may take over."""
         return None
 
     @abstractmethod
@@ -72,16 +76,28 @@ class _ModelState:
     seq: Sequence
     tokens: list[int] = field(default_factory=list)  # what the draft's KV cache holds
     kept: int | None = None  # context tokens the engine already keeps KV for (looked up once)
+    target_seq: Sequence | None = None  # the request's in the target engine (a KV handoff's source)
+
+
+# The target holds at least this many context tokens more than the draft: the draft takes its KV
+# over instead of catching up (Engine.take_kv).
+TAKE_OVER_MIN_TOKENS = 16
 
 
 class ModelDraft(Proposer):
     name = "model"
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, target: Engine | None = None) -> None:
+        """`target`: the engine this drafter proposes for, in the same process; where the draft
+        engine can take that engine's KV, a request's prompt is computed once, by the target."""
         self.engine = engine
+        self.target = target if target is not None and engine.takes_kv_from(target) else None
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> _ModelState:
-        return _ModelState(self.engine.new_sequence(salt))
+    def begin(
+        self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0,
+        target_seq: Sequence | None = None,
+    ) -> _ModelState:
+        return _ModelState(self.engine.new_sequence(salt), target_seq=target_seq if self.target else None)
 
     def propose(self, state: _ModelState, context: list[int], k: int, params, rng) -> Proposal:
         if k <= 0:
@@ -89,6 +105,9 @@ class ModelDraft(Proposer):
         engine = self.engine
         # Keep what the draft's cache shares with the context (its rejected guesses go).
         common = _common_prefix(state.tokens, context)
+        if self._target_ahead(state, context, common):
+            state.tokens = context[: engine.take_kv(state.seq, context, self.target, state.target_seq)]
+            common = len(state.tokens)
         if common == len(context):
             common -= 1  # re-feed the last token: we need the logits after it
         engine.rollback(state.seq, common)
@@ -123,7 +142,16 @@ class ModelDraft(Proposer):
 
     def catch_up(self, state: _ModelState, context: list[int]) -> int:
         common = _common_prefix(state.tokens, context)
+        if self._target_ahead(state, context, common):
+            return len(context) - min(self.target.kv_tokens(state.target_seq), len(context))
         return len(context) - (common or self._kept(state, context))
+
+    def _target_ahead(self, state: _ModelState, context: list[int], common: int) -> bool:
+        """Whether the target holds enough more of the context than the draft for a handoff."""
+        if state.target_seq is None or not self.engine.takes_kv_from(self.target):
+            return False
+        have = common or self._kept(state, context)
+        return min(self.target.kv_tokens(state.target_seq), len(context)) - have >= TAKE_OVER_MIN_TOKENS
 
     def _kept(self, state: _ModelState, context: list[int]) -> int:
         """Leading context tokens the draft engine keeps KV for under this request's salt (a
@@ -210,7 +238,10 @@ class NgramDraft(Proposer):
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> _NgramIndex:
+    def begin(
+        self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0,
+        target_seq: Sequence | None = None,
+    ) -> _NgramIndex:
         return _NgramIndex(self.min_n, self.max_n)
 
     def propose(self, state: _NgramIndex, context: list[int], k: int, params, rng) -> Proposal:
@@ -229,7 +260,10 @@ class HintDraft(Proposer):
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> _NgramIndex | None:
+    def begin(
+        self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0,
+        target_seq: Sequence | None = None,
+    ) -> _NgramIndex | None:
         if not hint_ids:
             return None
         index = _NgramIndex(self.min_n, self.max_n)

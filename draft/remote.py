@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from draft.proposers import ModelDraft, Proposal, Proposer
-from engines.base import Engine
+from engines.base import Engine, Sequence
 from engines.types import SamplingParams
 
 
@@ -60,7 +60,10 @@ class RemoteDraft(Proposer):
         self.handle = handle
         self.timeout_s = timeout_s
 
-    def begin(self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0) -> dict:
+    def begin(
+        self, prompt_ids: list[int], hint_ids: list[int] | None = None, salt: int = 0,
+        target_seq: Sequence | None = None,
+    ) -> dict:
         return {"id": uuid.uuid4().hex, "seed": int(torch.randint(0, 2**31 - 1, (1,))), "salt": salt}
 
     def propose(self, state: dict, context: list[int], k: int, params: SamplingParams, rng) -> Proposal:

@@ -80,6 +80,23 @@ class Engine(ABC):
         `prefill` takes them over instead of computing them. 0 where it keeps none."""
         return 0
 
+    def takes_kv_from(self, source: "Engine") -> bool:
+        """Whether this engine can take over a sequence's KV from `source`, another engine of the
+        same model in this process (`take_kv`)."""
+        return False
+
+    def kv_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of `seq` whose KV this engine holds now (0 once it was released or
+        its KV went to another sequence)."""
+        return seq.length
+
+    def take_kv(self, seq: Sequence, tokens: list[int], source: "Engine", source_seq: Sequence) -> int:
+        """`seq` (of this engine) drops what it holds and takes over, from `source_seq`'s KV in
+        `source`, that of the leading `tokens` it holds: a draft starts from the target's prompt
+        instead of computing it again. Returns the tokens `seq` now holds; 0 where it took nothing
+        (and holds nothing)."""
+        return 0
+
     def stop_pass(self, stop: bool) -> None:
         """From another thread: True makes the pass under way raise `PassStopped` at its next
         layer (its request was cancelled: a cache hit beside it, a client gone), False clears

@@ -23,6 +23,9 @@ llama.cpp has no batched x86 kernels for Q4_1, so a long run of tokens (or a ste
 sequences) evaluates slower per token than in Q8_0 or F32. With `prefill_quant`, runs
 of PREFILL_MIN_TOKENS or more go to one extra context on a requantized copy of the same weights;
 its KV is then copied into the sequence's slot, which decodes on as before.
+
+A draft engine beside its target takes each prompt's KV over from the target's context
+(`take_kv`) instead of prefilling it again on its own copy of the same float32 weights.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ NEXT_TURN_HELD_TOKENS = 128
 NEXT_TURN_NEW_TOKENS = 64
 COPY_MIN_TOKENS = 16  # a prefix another slot holds is copied when it saves at least this many tokens
 N_BATCH = 256  # tokens per llama_decode call; longer runs go in several
+# A shorter KV handoff (`take_kv`) saves less than the export and re-lay cost.
+TAKE_KV_MIN_TOKENS = 16
 
 
 def _load_model(path: str, repack: bool):
@@ -215,6 +220,10 @@ class LlamaCppEngine(Engine):
         self._ctx = _Context(
             self._models[0], self.max_sequences, config.max_model_len, config.num_threads, config.flash_attention
         )
+        model = self._models[0]
+        # What a sequence's KV depends on besides the weights' values (`takes_kv_from`).
+        self.shape = (lib.llama_model_n_layer(model), lib.llama_model_n_embd(model),
+                      lib.llama_model_n_head_kv(model), self._ctx.n_vocab)
         self._prefill: _Context | None = None
         if config.prefill_quant:
             # From the shipped file, not from `weights`' copy: an f32 prefill then holds the same
@@ -233,6 +242,8 @@ class LlamaCppEngine(Engine):
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
         self.copy_passes = 0  # runs of tokens evaluated on the prefill copy
+        self.kv_taken = 0  # sequences that took their KV over from another engine (`take_kv`)
+        self._kv_refused = False  # a handoff failed once: llama.cpp refused the other engine's state
         # A next turn stays where it decodes only off the kernel there (`_on_copy`); with the
         # kernel in both contexts nothing is re-laid, and a few tokens cost less on the copy.
         self._next_turn_here = self._prefill is not None and self._ctx.v_transposed is True
@@ -318,6 +329,58 @@ class LlamaCppEngine(Engine):
                 self._ctx.drop(i, 0)
                 self._held[i] = []
 
+    def takes_kv_from(self, source: Engine) -> bool:
+        """Another llama.cpp engine over a model of the same shape, whose contexts hold as many
+        streams (llama.cpp moves a sequence's state only between such contexts) and agree on the
+        V layout or can be re-laid (engines/kv_state.py). The weights may differ: the KV is the
+        source's, computed on its weights (a Q4_1 draft takes the float32 target's prompt, which
+        its own float32 prefill copy would have computed alike)."""
+        if self._kv_refused or not isinstance(source, LlamaCppEngine) or source is self:
+            return False
+        if source.max_sequences != self.max_sequences:
+            return False
+        layouts = {source._ctx.v_transposed, self._ctx.v_transposed}
+        if None in layouts and len(layouts) > 1:
+            return False
+        return source.shape == self.shape
+
+    def kv_tokens(self, seq: Sequence) -> int:
+        state: _SeqState = seq.kv
+        if state.slot is None or self._owner[state.slot] is not state:
+            return 0
+        return _common_prefix(self._held[state.slot], state.tokens)
+
+    def take_kv(self, seq: Sequence, tokens: list[int], source: Engine, source_seq: Sequence) -> int:
+        state: _SeqState = seq.kv
+        if not self.takes_kv_from(source):
+            return 0
+        assert isinstance(source, LlamaCppEngine)
+        src: _SeqState = source_seq.kv
+        if src.salt != state.salt or not source.kv_tokens(source_seq):
+            return 0  # another tenant's, or released or evicted there
+        n = min(_common_prefix(source._held[src.slot], tokens), self.max_model_len)
+        if n < TAKE_KV_MIN_TOKENS:
+            return 0
+        state.tokens = list(tokens[:n])
+        seq.length = n
+        slot = state.slot if state.slot is not None and self._owner[state.slot] is state else self._claim(state)
+        try:
+            self._ctx.restore(source._ctx.export(src.slot), slot, source=source._ctx)
+        except RuntimeError as exc:  # KVStateFormatError included: refused for good, not retried
+            log.warning("%s: could not take a sequence's KV from %s (%s); drafts compute their own",
+                        self.model_id, source.model_id, exc)
+            self._kv_refused = True
+            self._ctx.drop(slot, 0)
+            self._held[slot], state.tokens, seq.length = [], [], 0
+            return 0
+        if len(source._held[src.slot]) > n:
+            self._ctx.drop(slot, n)
+        self._held[slot] = list(state.tokens)
+        self._salt[slot] = state.salt
+        self._last_used[slot] = time.monotonic()
+        self.kv_taken += 1
+        return n
+
     # ------------------------------------------------------------------ slots
 
     def _append(self, seq: Sequence, token_ids: list[int]) -> None:
@@ -379,13 +442,7 @@ class LlamaCppEngine(Engine):
         if state.slot is not None and self._owner[state.slot] is state:
             slot = state.slot
         else:
-            slot = self._pick_slot(state)
-            previous = self._owner[slot]
-            if previous is not None:
-                previous.slot = None  # it will recompute when it runs again
-                self.evictions += 1
-            self._owner[slot] = state
-            state.slot = slot
+            slot = self._claim(state)
             # Whatever this slot still holds is valid up to the common prefix, for the same tenant.
             held = self._held[slot] if self._salt[slot] == state.salt else []
             self._salt[slot] = state.salt
@@ -394,6 +451,17 @@ class LlamaCppEngine(Engine):
             del self._held[slot][common:]
             self._copy_prefix(slot, state, common)
         self._last_used[slot] = time.monotonic()
+        return slot
+
+    def _claim(self, state: _SeqState) -> int:
+        """A slot for `state`, which holds none: taken from a live sequence if none is free."""
+        slot = self._pick_slot(state)
+        previous = self._owner[slot]
+        if previous is not None:
+            previous.slot = None  # it will recompute when it runs again
+            self.evictions += 1
+        self._owner[slot] = state
+        state.slot = slot
         return slot
 
     def _shared_prefix(self, slot: int, tokens: list[int], salt: int) -> int:

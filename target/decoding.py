@@ -93,7 +93,8 @@ class Generation:
             self._take_answer(request.draft_hint_ids)
         if self.spec is not None:
             self.spec.states = [
-                p.begin(request.prompt_token_ids, request.draft_hint_ids, salt=self.salt) for p in self.spec.proposers
+                p.begin(request.prompt_token_ids, request.draft_hint_ids, salt=self.salt, target_seq=self.seq)
+                for p in self.spec.proposers
             ]
 
     def add_hint(self, hint_ids: list[int]) -> bool:
@@ -108,7 +109,9 @@ class Generation:
             took = True
         for i, proposer in enumerate(self.spec.proposers):
             if self.spec.states[i] is None and proposer.takes_hints:
-                self.spec.states[i] = proposer.begin(self.request.prompt_token_ids, list(hint_ids), salt=self.salt)
+                self.spec.states[i] = proposer.begin(
+                    self.request.prompt_token_ids, list(hint_ids), salt=self.salt, target_seq=self.seq
+                )
                 took = True
         return took
 

@@ -99,7 +99,9 @@ class ModelService:
         self.prefill_first = True
         # FIFO, and a waiter cancelled (client gone) gives up its place; one event loop per replica.
         self._seats = asyncio.Semaphore(self.engine.max_sequences) if self.engine.max_sequences else None
-        self.proposers, self.draft_engine = build_proposers(config.speculative, remote_draft, share_cores=host.cores_shared)
+        self.proposers, self.draft_engine = build_proposers(
+            config.speculative, remote_draft, share_cores=host.cores_shared, target_engine=self.engine
+        )
         for proposer in self.proposers:  # long catch-ups and draft rounds give way to a queued prompt
             proposer.prompt_waiting = self._prefill_waiting
         self._live: dict[str, Generation] = {}  # request id -> its generation, for late hints

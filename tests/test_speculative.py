@@ -925,6 +925,126 @@ def test_the_small_models_prompts_run_on_the_targets_float32_weights():
     assert int(torch.argmax(logits[0])) == int(torch.argmax(logits[1]))
 
 
+@pytest.fixture(scope="module")
+def shipped_pair():
+    """serve_config.yaml's llama.cpp target and its co-located Q4_1 draft, two slots each."""
+    from configs.serve_config import load_serve_config
+    from engines.llamacpp_engine import LlamaCppEngine
+
+    target_stage = load_serve_config().args.target
+    target = LlamaCppEngine(target_stage.engine.model_copy(update={"max_sequences": 2}))
+    draft = LlamaCppEngine(target_stage.speculative.draft_engine.model_copy(update={"max_sequences": 2}))
+    return target, draft
+
+
+def _rag_ids(tokenizer) -> list[int]:
+    return _chat_ids(tokenizer, conversations()["rag"][0])
+
+
+def test_a_draft_beside_the_llama_target_takes_the_prompts_kv_instead_of_prefilling_it(shipped_pair):
+    """The shipped draft takes the request's prompt KV from the target (which prefilled it on
+    the same float32 weights its prefill copy holds) instead of computing it again: its catch-up
+    is the one token the target has yet to see, and it drafts what it drafts after its own
+    prefill."""
+    target, draft = shipped_pair
+    assert draft.takes_kv_from(target)
+    ids = _rag_ids(target.tokenizer)
+    tseq = target.new_sequence()
+    context = ids + [int(torch.argmax(target.prefill(tseq, ids)))]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    drafts = {}
+    for name, drafter in (("own", ModelDraft(draft)), ("handoff", ModelDraft(draft, target))):
+        draft.forget_prefixes()
+        taken, copies = draft.kv_taken, draft.copy_passes
+        state = drafter.begin(ids, target_seq=tseq)
+        catch_up = drafter.catch_up(state, context)
+        drafts[name] = drafter.propose(state, context, 6, params, None).tokens
+        drafter.end(state)
+        if name == "handoff":
+            assert catch_up == 1 and draft.kv_taken == taken + 1 and draft.copy_passes == copies, (catch_up, name)
+        else:
+            assert catch_up == len(context) and draft.kv_taken == taken and draft.copy_passes > copies
+    assert drafts["handoff"][:3] == drafts["own"][:3] and len(set(drafts["own"])) > 2, drafts
+    target.release(tseq)
+
+
+def test_a_draft_computes_its_own_prompt_where_the_target_no_longer_holds_it(shipped_pair):
+    """A target sequence released (or another tenant's, or a target engine of another shape)
+    hands nothing over: the draft catches up on its own, as without a target."""
+    from engines.llamacpp_engine import LlamaCppEngine
+
+    target, draft = shipped_pair
+    ids = _rag_ids(target.tokenizer)
+    drafter = ModelDraft(draft, target)
+    tseq = target.new_sequence(salt=7)
+    context = ids + [int(torch.argmax(target.prefill(tseq, ids)))]
+    draft.forget_prefixes()
+    assert draft.take_kv(draft.new_sequence(salt=8), context, target, tseq) == 0  # another tenant's
+    target.release(tseq)
+    taken = draft.kv_taken
+    state = drafter.begin(ids, salt=7, target_seq=tseq)
+    assert drafter.catch_up(state, context) == len(context)
+    assert len(drafter.propose(state, context, 4, SamplingParams(max_tokens=8, temperature=0.0), None).tokens) == 4
+    drafter.end(state)
+    assert draft.kv_taken == taken
+    # llama.cpp moves a sequence's state only between contexts of as many streams.
+    from configs.serve_config import load_serve_config
+
+    one_slot = LlamaCppEngine(load_serve_config().args.target.speculative.draft_engine.model_copy(update={"max_sequences": 1}))
+    assert not one_slot.takes_kv_from(target) and not ModelDraft(one_slot, target).target
+
+
+def test_a_handoff_llama_cpp_refuses_turns_the_handoff_off_and_the_draft_still_drafts(shipped_pair, monkeypatch):
+    from engines import llamacpp_engine
+    from engines.kv_state import KVStateFormatError
+
+    target, draft = shipped_pair
+    ids = _rag_ids(target.tokenizer)
+    tseq = target.new_sequence()
+    context = ids + [int(torch.argmax(target.prefill(tseq, ids)))]
+    draft.forget_prefixes()
+    real = llamacpp_engine._Context.restore
+
+    def refuse(ctx, buf, seq, source=None):
+        if source is target._ctx:
+            raise KVStateFormatError("not as this module reads it")
+        return real(ctx, buf, seq, source)
+
+    monkeypatch.setattr(llamacpp_engine._Context, "restore", refuse)
+    drafter = ModelDraft(draft, target)
+    state = drafter.begin(ids, target_seq=tseq)
+    try:
+        proposal = drafter.propose(state, context, 4, SamplingParams(max_tokens=8, temperature=0.0), None)
+        assert len(proposal.tokens) == 4 and not draft.takes_kv_from(target)
+        assert drafter.catch_up(state, context + proposal.tokens[:1]) <= 2  # it went on from its own prefill
+    finally:
+        drafter.end(state)
+        target.release(tseq)
+        draft._kv_refused = False
+
+
+def test_greedy_speculation_with_the_kv_handoff_is_token_identical_on_the_shipped_target(shipped_pair):
+    """The shipped target drafted by its Q4_1 copy, each prompt's KV handed over: the greedy
+    answer is the target's alone, token for token, and the drafts were taken over, not prefilled."""
+    target, draft = shipped_pair
+    tok = target.tokenizer
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    costs = CostModel(8, [20.0] * 9, 5.0, 0.8, draft_prefill_ms_per_token=1.0)
+    taken, accepted = draft.kv_taken, 0
+    for workload in ("rag", "chat", "code_edit"):
+        ids = _chat_ids(tok, conversations()[workload][0])
+        outputs = []
+        for spec in (None, Speculation([ModelDraft(draft, target)], KChooser(costs, fixed_k=4))):
+            gen = Generation(target, GenerateRequest("t", ids, params), spec)
+            gen.prefill()
+            while not gen.finished:
+                gen.step()
+            outputs.append(gen.tokens[len(ids):])
+            accepted += spec.chooser.accepted if spec else 0
+        assert outputs[0] == outputs[1], workload
+    assert draft.kv_taken >= taken + 3 and accepted > 0, "no handoff or no accepted draft: the test would prove nothing"
+
+
 def test_calibration_times_a_few_pass_sizes_and_prices_every_k_on_one_line():
     timed: list[int] = []
 
