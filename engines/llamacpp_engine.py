@@ -30,7 +30,6 @@ A draft engine beside its target takes each prompt's KV over from the target's c
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ import torch
 from configs.schemas import EngineConfig
 from engines.base import Engine, Sequence
 from engines.cpu_features import cpu_has_amx
-from engines.kv_state import relayout
+from engines.llamacpp_context import Context, load_model
 from engines.model_store import package_dir, requantized_gguf, resolve_model_dir
 from host_tuning.cores import CoreShare
 
@@ -54,117 +53,8 @@ PREFILL_MIN_TOKENS = 16
 NEXT_TURN_HELD_TOKENS = 128
 NEXT_TURN_NEW_TOKENS = 64
 COPY_MIN_TOKENS = 16  # a prefix another slot holds is copied when it saves at least this many tokens
-N_BATCH = 256  # tokens per llama_decode call; longer runs go in several
 # A shorter KV handoff (`take_kv`) saves less than the export and re-lay cost.
 TAKE_KV_MIN_TOKENS = 16
-
-
-def _load_model(path: str, repack: bool):
-    """The weights, mmap'd. `repack`: ggml's extra CPU buffer types (AMX / wide-SIMD layouts)."""
-    import llama_cpp as lib
-    from llama_cpp._logger import set_verbose
-
-    set_verbose(False)  # llama.cpp's own load and context logs: errors only
-    lib.llama_backend_init()
-    params = lib.llama_model_default_params()
-    params.use_mmap = True
-    params.use_extra_bufts = repack
-    model = lib.llama_model_load_from_file(path.encode(), params)
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {path}")
-    return model
-
-
-class _Context:
-    """One llama.cpp context over `model` with `n_seq` sequences of up to `n_ctx` tokens each."""
-
-    def __init__(self, model, n_seq: int, n_ctx: int, threads: int, flash_attention: str) -> None:
-        import llama_cpp as lib
-
-        self.lib = lib
-        params = lib.llama_context_default_params()
-        # The setting decides whether V is stored transposed; a sequence's KV moves to a context
-        # of the other layout through `restore(..., source=)` (engines/kv_state.py).
-        params.flash_attn_type = {
-            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-        }[flash_attention]
-        self.v_transposed = {"off": True, "on": False}.get(flash_attention)  # auto: llama.cpp's to choose
-        params.n_ctx = n_ctx * n_seq
-        params.n_batch = params.n_ubatch = N_BATCH
-        params.n_seq_max = n_seq
-        # A stream of cells per sequence (see the module docstring): a micro-batch holds only
-        # consecutive sequence ids (scattered slots cost a pass each), so the engine keeps
-        # running sequences in consecutive slots.
-        params.kv_unified = False
-        params.n_threads = params.n_threads_batch = threads
-        self.ctx = lib.llama_init_from_model(model, params)
-        if not self.ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        self.memory = lib.llama_get_memory(self.ctx)
-        self.batch = lib.llama_batch_init(N_BATCH, 0, 1)
-        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
-        self.threads = threads
-
-    def eval(self, items: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
-        """Evaluate (seq, position, token, wants_logits) items; logits of those that want them, in order."""
-        lib, batch, out = self.lib, self.batch, []
-        for first in range(0, len(items), N_BATCH):
-            chunk = items[first : first + N_BATCH]
-            batch.n_tokens = len(chunk)
-            for i, (seq, pos, token, wants) in enumerate(chunk):
-                batch.token[i], batch.pos[i], batch.logits[i] = token, pos, wants
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = seq
-            if lib.llama_decode(self.ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed (KV cache full?)")
-            for i, (_, _, _, wants) in enumerate(chunk):
-                if wants:
-                    row = lib.llama_get_logits_ith(self.ctx, i)
-                    out.append(np.ctypeslib.as_array(row, shape=(self.n_vocab,)).copy())
-        return out
-
-    def drop(self, seq: int, start: int) -> None:
-        """Forget `seq`'s KV from position `start` on."""
-        self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
-
-    def copy(self, src: int, dst: int, n: int | None = None) -> None:
-        """`dst` holds `src`'s first `n` positions (all of them: None); whatever it held before
-        is dropped. Through llama.cpp's per-sequence state (its cells, written at once): its
-        `seq_cp` between streams copies only at the next pass, and an export before that pass
-        (the prefill copy's) read the old data."""
-        self.restore(self.export(src), dst)
-        if n is not None:
-            self.drop(dst, n)
-
-    def set_threads(self, threads: int) -> None:
-        if threads != self.threads:
-            self.lib.llama_set_n_threads(self.ctx, threads, threads)
-            self.threads = threads
-
-    def export(self, seq: int) -> ctypes.Array:
-        size = self.lib.llama_state_seq_get_size(self.ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        written = self.lib.llama_state_seq_get_data(self.ctx, buf, size, seq)
-        return (ctypes.c_uint8 * written).from_buffer(buf) if written else buf
-
-    def restore(self, buf: ctypes.Array, seq: int, source: "_Context | None" = None) -> None:
-        """`seq` holds the state `buf` exported, from this context or from `source`."""
-        if source is not None and source.v_transposed != self.v_transposed:
-            if source.v_transposed is None or self.v_transposed is None:
-                raise RuntimeError("a KV moves between an auto flash-attention context and another only if they agree")
-            moved = relayout(buf, self.v_transposed)
-            if moved is not None:
-                buf = (ctypes.c_uint8 * len(moved)).from_buffer(moved)
-        self.drop(seq, 0)
-        if not len(buf) or self.lib.llama_state_seq_set_data(self.ctx, buf, len(buf), seq) == 0:
-            raise RuntimeError("llama.cpp could not copy a sequence's KV cache between contexts")
-
-    def close(self) -> None:
-        if self.ctx:
-            self.lib.llama_batch_free(self.batch)
-            self.lib.llama_free(self.ctx)
-            self.ctx = None
 
 
 @dataclass
@@ -216,26 +106,26 @@ class LlamaCppEngine(Engine):
             log.info("%s: llama.cpp's extra CPU buffer types off (cpu_repack: %s)", config.model_id, config.cpu_repack)
         self.cores = CoreShare(config.num_threads, share_cores)
         self.max_sequences = config.max_sequences
-        self._models = [_load_model(gguf, repack)]
-        self._ctx = _Context(
+        self._models = [load_model(gguf, repack)]
+        self._ctx = Context(
             self._models[0], self.max_sequences, config.max_model_len, config.num_threads, config.flash_attention
         )
         model = self._models[0]
         # What a sequence's KV depends on besides the weights' values (`takes_kv_from`).
         self.shape = (lib.llama_model_n_layer(model), lib.llama_model_n_embd(model),
                       lib.llama_model_n_head_kv(model), self._ctx.n_vocab)
-        self._prefill: _Context | None = None
+        self._prefill: Context | None = None
         if config.prefill_quant:
             # From the shipped file, not from `weights`' copy: an f32 prefill then holds the same
             # weights as an f32 target, and the two share one file.
             quant = str(requantized_gguf(shipped, config.prefill_quant, config.cache_dir))
-            self._models.append(_load_model(quant, repack))
+            self._models.append(load_model(quant, repack))
             # As many streams as the decoding context: llama.cpp moves a sequence's KV only
             # between contexts of the same stream count. Only its first is used; the others
             # cost their KV memory.
             # Prompts on flash attention, its faster prefill; their KV is re-laid for the decoding
             # context's setting when it moves there.
-            self._prefill = _Context(
+            self._prefill = Context(
                 self._models[1], self.max_sequences, config.max_model_len, config.num_threads,
                 "auto" if config.flash_attention == "auto" else "on",
             )
@@ -348,7 +238,7 @@ class LlamaCppEngine(Engine):
         state: _SeqState = seq.kv
         if state.slot is None or self._owner[state.slot] is not state:
             return 0
-        return _common_prefix(self._held[state.slot], state.tokens)
+        return min(len(self._held[state.slot]), len(state.tokens))  # a slot holds a prefix of its owner's tokens
 
     def take_kv(self, seq: Sequence, tokens: list[int], source: Engine, source_seq: Sequence) -> int:
         state: _SeqState = seq.kv
@@ -540,7 +430,7 @@ class LlamaCppEngine(Engine):
         self._held[slot] = list(tokens)
         return logits
 
-    def _eval(self, ctx: _Context, items: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+    def _eval(self, ctx: Context, items: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
         """One pass, on the threads the box can give it (host_tuning/cores.py): all of them on an
         idle box or for a long run of tokens, one beside a busy box."""
         with self.cores.forward_pass(len(items)) as threads:

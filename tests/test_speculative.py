@@ -969,8 +969,8 @@ def test_a_draft_beside_the_llama_target_takes_the_prompts_kv_instead_of_prefill
 
 
 def test_a_draft_computes_its_own_prompt_where_the_target_no_longer_holds_it(shipped_pair):
-    """A target sequence released (or another tenant's, or a target engine of another shape)
-    hands nothing over: the draft catches up on its own, as without a target."""
+    """A target sequence released (or another tenant's, or held by an engine with another
+    stream count) hands nothing over: the draft catches up on its own, as without a target."""
     from engines.llamacpp_engine import LlamaCppEngine
 
     target, draft = shipped_pair
@@ -995,7 +995,7 @@ def test_a_draft_computes_its_own_prompt_where_the_target_no_longer_holds_it(shi
 
 
 def test_a_handoff_llama_cpp_refuses_turns_the_handoff_off_and_the_draft_still_drafts(shipped_pair, monkeypatch):
-    from engines import llamacpp_engine
+    from engines import llamacpp_context
     from engines.kv_state import KVStateFormatError
 
     target, draft = shipped_pair
@@ -1003,14 +1003,14 @@ def test_a_handoff_llama_cpp_refuses_turns_the_handoff_off_and_the_draft_still_d
     tseq = target.new_sequence()
     context = ids + [int(torch.argmax(target.prefill(tseq, ids)))]
     draft.forget_prefixes()
-    real = llamacpp_engine._Context.restore
+    real = llamacpp_context.Context.restore
 
     def refuse(ctx, buf, seq, source=None):
         if source is target._ctx:
             raise KVStateFormatError("not as this module reads it")
         return real(ctx, buf, seq, source)
 
-    monkeypatch.setattr(llamacpp_engine._Context, "restore", refuse)
+    monkeypatch.setattr(llamacpp_context.Context, "restore", refuse)
     drafter = ModelDraft(draft, target)
     state = drafter.begin(ids, target_seq=tseq)
     try:
