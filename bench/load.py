@@ -73,6 +73,7 @@ class Outcome:
     code: str | None = None
     route: str | None = None
     predicted_ttft_ms: float | None = None  # x-admission-predicted, when admission admitted it
+    predicted_e2e_ms: float | None = None  # ... and its predicted last token
     prompt: str = ""  # chat | rag | code
     shed_predicted: dict | None = None  # a 503's body: the prediction it was shed on
     shed_not_started: str | None = None  # ... and why it could not start at once
@@ -140,7 +141,8 @@ async def _one(http: httpx.AsyncClient, body: dict, headers: dict, tier: str, de
                                headers={**headers, "x-admission-mode": mode}) as resp:
             out.status = resp.status_code
             out.route = resp.headers.get("x-route")
-            out.predicted_ttft_ms = _predicted_ttft(resp.headers.get("x-admission-predicted"))
+            predicted = _predicted(resp.headers.get("x-admission-predicted"))
+            out.predicted_ttft_ms, out.predicted_e2e_ms = predicted.get("ttft_ms"), predicted.get("e2e_ms")
             out.server_timing = resp.headers.get("server-timing", "")  # a stream's: up to its first token
             if resp.status_code != 200:
                 raw = await resp.aread()
@@ -211,10 +213,14 @@ async def _closed_loop(base: str, clients: int, duration_s: float, mode: str, se
     rng = random.Random(seed)
     counter = [0]
     outcomes: list[Outcome] = []
+    end = time.perf_counter() + duration_s
     async with httpx.AsyncClient(base_url=base, timeout=None) as http:
 
         async def worker() -> None:
-            while True:
+            # Bounded by the clock as well as by cancel: on Python 3.11, `wait_for` can swallow a
+            # cancel that lands as the request completes, and a worker looping on would keep
+            # the probe waiting on it for ever.
+            while time.perf_counter() < end:
                 counter[0] += 1
                 body, headers, tier, deadline, prompt = _request(rng, seed * 100_000 + counter[0])
                 outcomes.append(await _one(http, body, headers, tier, deadline, mode, prompt=prompt))
@@ -227,13 +233,22 @@ async def _closed_loop(base: str, clients: int, duration_s: float, mode: str, se
     return outcomes
 
 
-def _predicted_ttft(header: str | None) -> float | None:
-    """`ttft_ms=T; e2e_ms=E` -> T."""
+def _predicted(header: str | None) -> dict[str, float]:
+    """`ttft_ms=T; e2e_ms=E` -> {"ttft_ms": T, "e2e_ms": E}."""
+    out = {}
     for part in (header or "").split(";"):
         key, _, value = part.strip().partition("=")
-        if key == "ttft_ms" and value:
-            return float(value)
-    return None
+        if key in ("ttft_ms", "e2e_ms") and value:
+            out[key] = float(value)
+    return out
+
+
+def _decode_ratio(o: Outcome) -> float | None:
+    """Measured / predicted time from the first token to the last (> 1: admission was optimistic)."""
+    if o.ttft_ms is None or not o.predicted_e2e_ms or not o.predicted_ttft_ms:
+        return None
+    predicted = o.predicted_e2e_ms - o.predicted_ttft_ms
+    return (o.e2e_ms - o.ttft_ms) / predicted if predicted > 0 else None
 
 
 def _calibration(admitted: list[Outcome]) -> dict:
@@ -244,9 +259,13 @@ def _calibration(admitted: list[Outcome]) -> dict:
     by_model: dict[str, list[Outcome]] = {}
     for o in judged:
         by_model.setdefault((o.route or "?").split(";")[0], []).append(o)
+    decode = [r for r in map(_decode_ratio, admitted) if r is not None]
     return {
         "ttft_measured_over_predicted_p50": round(percentile(ratios, 0.5), 2) if ratios else None,
         "ttft_measured_over_predicted_p95": round(percentile(ratios, 0.95), 2) if ratios else None,
+        # The decode after the first token (its length a guess): measured / predicted.
+        "decode_measured_over_predicted_p50": round(percentile(decode, 0.5), 2) if decode else None,
+        "decode_measured_over_predicted_p90": round(percentile(decode, 0.9), 2) if decode else None,
         # Which model's predictions are off, and by how much of the wait in its replica's queue.
         "ttft_by_model": {
             model: {
@@ -254,6 +273,7 @@ def _calibration(admitted: list[Outcome]) -> dict:
                 "measured_over_predicted_p50": round(percentile([o.ttft_ms / o.predicted_ttft_ms for o in os], 0.5), 2),
                 "measured_ms_p50": round(percentile([o.ttft_ms for o in os], 0.5)),
                 "predicted_ms_p50": round(percentile([o.predicted_ttft_ms for o in os], 0.5)),
+                "decode_measured_over_predicted_p50": _p([r for r in map(_decode_ratio, os) if r is not None], 0.5, 2),
                 "engine_queue_ms_p50": round(percentile(
                     [server_timing(o.server_timing).get("engine_queue", 0.0) for o in os], 0.5), 1),
                 "prefill_ms_p50": round(percentile(
@@ -362,8 +382,8 @@ def _shed_profile(shed: list[Outcome]) -> dict:
     }
 
 
-def _p(values: list[float], q: float) -> float | None:
-    return round(percentile(values, q), 1) if values else None
+def _p(values: list[float], q: float, digits: int = 1) -> float | None:
+    return round(percentile(values, q), digits) if values else None
 
 
 def _count(items) -> dict[str, int]:
