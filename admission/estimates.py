@@ -67,9 +67,15 @@ class ByConcurrency:
     burst over-admits. Fading in log space does both: with the defaults a 67x outlier is down
     to 14x a minute after it went stale and to 5x after two, while a true 2.4x still counts as
     1.6x after a minute and a half; a level observed again counts at once.
+
+    A level holds every sample from 0.71x to 1.41x its number, so its cost is placed at the mean
+    concurrency its samples were taken at (`where`), not at the number: at a steady load of 10
+    the "8" level holds the cost of 10, and read as the cost of 8 it priced a load of 8 as slow
+    as one of 10.
     """
 
     levels: dict[int, Ewma] = field(default_factory=dict)
+    where: dict[int, Ewma] = field(default_factory=dict)  # per level: the mean concurrency of its samples
     updated: dict[int, float] = field(default_factory=dict)
     max_age_s: float = MAX_AGE_S
     half_life_s: float = STALE_HALF_LIFE_S
@@ -84,23 +90,36 @@ class ByConcurrency:
     def add(self, concurrency: float, value: float, weight: float = 1.0) -> None:
         level, now = _bucket(concurrency), self.clock()
         if level not in self.levels or now - self.updated.get(level, now) > self.max_age_s:
-            self.levels[level] = Ewma(0.2)  # a forgotten level starts over from what it measures now
+            # a forgotten level starts over from what it measures now
+            self.levels[level], self.where[level] = Ewma(0.2), Ewma(0.2)
         self.levels[level].add(value, weight)
+        self.where.setdefault(level, Ewma(0.2)).add(max(1.0, concurrency), weight)
         self.updated[level] = now
 
-    def _known(self) -> list[tuple[int, float]]:
+    def _at(self, level: int) -> float:
+        """The concurrency a level's cost was measured at."""
+        where = self.where.get(level)
+        return where.value if where is not None and where.value is not None else float(level)
+
+    def _levels(self) -> dict[int, float]:
+        """Each level's value as `at` uses it (a stale one faded toward the fresh ones)."""
         now = self.clock()
         known = {b: e.value for b, e in self.levels.items() if e.value is not None}
-        fresh = sorted((b, v) for b, v in known.items() if now - self.updated.get(b, now) <= self.max_age_s)
+        fresh = {b: v for b, v in known.items() if now - self.updated.get(b, now) <= self.max_age_s}
         if not fresh:
-            return sorted(known.items())  # nothing newer to fade toward
+            return known  # nothing newer to fade toward
+        points = sorted((self._at(b), v) for b, v in fresh.items())
         out = dict(fresh)
         for b, v in known.items():
             if b not in out:
-                expected = _interpolate(fresh, b, self.shape)
+                expected = _interpolate(points, self._at(b), self.shape)
                 weight = 0.5 ** ((now - self.updated[b] - self.max_age_s) / self.half_life_s)
                 out[b] = expected * (v / expected) ** weight if expected > 0 and v > 0 else expected
-        return sorted(out.items())
+        return out
+
+    def _known(self) -> list[tuple[float, float]]:
+        """(the concurrency it was measured at, its cost) per level, ascending."""
+        return sorted((self._at(b), v) for b, v in self._levels().items())
 
     def at(self, concurrency: float, prior: float) -> float:
         known = self._known()
@@ -112,11 +131,11 @@ class ByConcurrency:
 
     def snapshot(self) -> dict[int, float | None]:
         """Every level's value as `at` uses it (a stale one faded)."""
-        live = dict(self._known())
+        live = self._levels()
         return {b: _round(live.get(b)) for b in sorted(self.levels)}
 
 
-def _interpolate(known: list[tuple[int, float]], concurrency: float, shape: list[tuple[int, float]] | None = None) -> float:
+def _interpolate(known: list[tuple[float, float]], concurrency: float, shape: list[tuple[int, float]] | None = None) -> float:
     """Between observed levels: linear; below the lowest: the lowest's; above the highest: the
     highest's, times how much `shape` rises from there (where it has levels that high), and past
     that each added sequence adds BATCH_COST of the cost again."""

@@ -41,6 +41,22 @@ def test_estimates_interpolate_measured_levels_and_extrapolate_pessimistically()
     assert est.expected_tokens(100) == pytest.approx(55.0)  # 11 of 20 used: the measured fraction
 
 
+def test_a_levels_cost_is_placed_at_the_concurrency_its_samples_ran_at():
+    """The "8" level holds every sample from 6 to 11 on the box: at a steady 10 it holds the cost
+    of 10, and read as the cost of 8 it priced eight requests as slow as ten (false sheds at
+    the load the service was sized for)."""
+    est = ServiceEstimates(50.0, 0.5)["m"]
+    for _ in range(3):
+        est.observe(prompt_tokens=100, prefill_ms=40.0, ttft_ms=60.0, queue_ms=5.0, completion_tokens=11,
+                    max_tokens=20, decode_ms=400.0, concurrency=4)
+        est.observe(prompt_tokens=100, prefill_ms=40.0, ttft_ms=60.0, queue_ms=5.0, completion_tokens=11,
+                    max_tokens=20, decode_ms=1000.0, concurrency=10)
+    assert list(est.itl.snapshot()) == [4, 8]
+    assert est.itl_ms(10) == pytest.approx(100.0)
+    assert est.itl_ms(8) == pytest.approx(40 + 60 * 4 / 6)  # between 4 and 10, not the level read at 8
+    assert est.itl_ms(4) == pytest.approx(40.0)
+
+
 def test_prefill_priced_as_a_fixed_part_plus_per_token_so_long_prompts_are_not_shed():
     """Prefill costs a fixed part per pass plus a part per token. Priced per token alone, short
     prompts' cost (mostly the fixed part) predicted a 500-token prompt at 2.7x its real time."""
