@@ -532,6 +532,21 @@ def test_a_per_token_target_queues_a_request_past_the_boxs_knee_and_starts_it_wh
     assert free.in_time(Ticket("m", "t", 0, 10, 20, deadline=time.monotonic() + 60))
 
 
+def test_the_per_token_target_is_judged_on_the_predicted_itl_not_the_decode_safety():
+    """`safety` pads the decode for deadlines; on the per-token target it moved the knee early:
+    streams FIFO ran at 159-176 ms a token were held for a 200 ms target and dropped unserved."""
+    gate = AdmissionGate(16, 8, 1, ServiceEstimates(40.0, 0.1), safety=1.5)
+    for c, itl in ((1, 40.0), (4, 100.0), (8, 160.0)):
+        for _ in range(3):
+            _done(gate.estimates["m"], c, itl)
+    paced = lambda: Ticket("m", "t", 0, 10, 20, deadline=time.monotonic() + 60, tpot_ms=110)
+    for _ in range(3):
+        gate.running.add(paced())
+    assert gate.in_time(paced())  # 100 ms a token with a fourth on the box: within 110, not 150
+    gate.running.add(paced())
+    assert not gate.in_time(paced())  # a fifth: 115 ms, past the target
+
+
 def test_a_model_its_replica_timed_batched_is_priced_by_that_step_not_the_guess():
     # The replica's start-up timing: a batched step of 8 costs 1.6x one of 1, far less than the
     # guess of half a step more per added sequence (4.5x).
