@@ -97,7 +97,7 @@ class ByConcurrency:
         self.updated[level] = now
 
     def _at(self, level: int) -> float:
-        """The concurrency a level's cost was measured at."""
+        """The mean concurrency of the level's samples (its number until it has one)."""
         where = self.where.get(level)
         return where.value if where is not None and where.value is not None else float(level)
 
@@ -118,7 +118,7 @@ class ByConcurrency:
         return out
 
     def _known(self) -> list[tuple[float, float]]:
-        """(the concurrency it was measured at, its cost) per level, ascending."""
+        """(the mean concurrency of its samples, its cost) per level, ascending."""
         return sorted((self._at(b), v) for b, v in self._levels().items())
 
     def at(self, concurrency: float, prior: float) -> float:

@@ -223,9 +223,8 @@ class AdmissionGate:
         """With `concurrency` sequences on the box, is the predicted time between tokens within
         the per-token target of `t` and of every running request that has one? Past the box's
         knee another sequence adds no tokens a second, only time to every stream's tokens: it
-        waits for one to end instead. Judged on the predicted ITL itself: `safety` pads a
-        decode's length for its deadline, and on the target it moved the knee early, holding
-        streams the box ran within it until their first tokens were late."""
+        waits for one to end instead. No `safety` here: it pads a deadline, and on the target
+        it held streams the box ran within it until their first tokens were late."""
         itl: dict[str, float] = {}  # per model: one lookup, however many requests run on it
         for r in (t, *self.running):
             if r.tpot_ms is None:
