@@ -123,6 +123,7 @@ def _interruptible() -> None:
     """In the child: SIGINT stops it gracefully even where this bench runs in the background
     (a shell starts background jobs with SIGINT ignored, and children inherit that)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # a blocked mask is inherited
 
 
 IDLE_CORES = 0.3  # the box counts as idle below this many busy cores
@@ -355,11 +356,13 @@ def main() -> None:
     """`python -m bench.peer_systems NAME`: start one system, print its URL, serve until Ctrl-C."""
     import tempfile
 
+    stop = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # sigwait takes only blocked signals; else they go by
     with tempfile.TemporaryDirectory() as tmp:
         system = SYSTEMS[sys.argv[1]](Path(tmp))
         try:
             print(system.start(), flush=True)
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            signal.sigwait(stop)
         finally:
             system.stop()
 

@@ -14,9 +14,13 @@ drives it. Speculative decoding needs exactly these four operations:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from host_tuning.cores import CoreShare
 
 
 class PassStopped(Exception):
@@ -45,6 +49,7 @@ class Engine(ABC):
     max_sequences: int | None = None
     # Whether `decode_batch(seqs, token_ids)` runs several sequences' decode steps in one pass.
     batches: bool = False
+    cores: CoreShare | None = None  # how its passes share the box's cores with other engines (host tuning)
 
     @abstractmethod
     def new_sequence(self, salt: int = 0) -> Sequence:
@@ -96,6 +101,17 @@ class Engine(ABC):
         instead of computing it again. Returns the tokens `seq` now holds; 0 where it took nothing
         (and holds nothing)."""
         return 0
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """Every pass inside runs with no other engine of the box in a pass (host tuning's pass
+        lock, host_tuning/cores.py): what a start-up probe times. A no-op where the engine does
+        not share the box's cores."""
+        if self.cores is None:
+            yield
+            return
+        with self.cores.alone():
+            yield
 
     def stop_pass(self, stop: bool) -> None:
         """From another thread: True makes the pass under way raise `PassStopped` at its next

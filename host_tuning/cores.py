@@ -117,6 +117,9 @@ class PassLock:
         path = path or os.path.join(base, f"latency-serve-cores-{os.getuid()}")
         self._turnstile = os.open(path + ".turnstile", os.O_RDWR | os.O_CREAT, 0o600)
         self._passes = os.open(path + ".passes", os.O_RDWR | os.O_CREAT, 0o600)
+        # This process holds the box alone across several passes (`CoreShare.alone`): its engines'
+        # passes then run without taking the lock again (flock on these descriptors does not nest).
+        self.held = False
 
     @contextmanager
     def alone(self) -> Iterator[None]:
@@ -187,11 +190,32 @@ class CoreShare:
         return 1 if busy else self.max_threads
 
     @contextmanager
+    def alone(self) -> Iterator[None]:
+        """The box's cores to this process's engines alone, across every pass inside, on all their
+        threads: for a probe that prices this engine, which would otherwise time its neighbours'
+        passes too (at start-up every replica probes at once) and price its model up to twice as
+        slow. Waiting for the passes under way happens before the block runs, not inside it."""
+        lock = self.lock
+        if lock is None or lock.held:
+            yield
+            return
+        with lock.alone():
+            lock.held = True
+            try:
+                yield
+            finally:
+                lock.held = False
+
+    @contextmanager
     def forward_pass(self, tokens: int) -> Iterator[int]:
         """Hold the cores for one pass over `tokens` tokens; yields the threads it runs on."""
         lock = self.lock
         if lock is None:
             yield self.threads()
+            return
+        if lock.held:  # inside `alone()`: the box is this process's already
+            self.passes["alone"] += 1
+            yield self.max_threads
             return
         waiting = time.perf_counter()
         if tokens >= EXCLUSIVE_MIN_TOKENS:

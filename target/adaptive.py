@@ -15,6 +15,7 @@ as a prefix, so `accepted / proposed` would read a = 0.9 at k = 8 as about 0.64.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 
 class Ema:
@@ -83,8 +84,10 @@ class CostModel:
         draft_prefill_ms_per_token: float = 0.0,
         reps: int = 5,
         acceptance_priors: dict[str, float] | None = None,
+        hold=nullcontext,
     ):
-        """Time `score_fn(m)` (a forward pass over m tokens) for m from 1 to k_max+1.
+        """Time `score_fn(m)` (a forward pass over m tokens) for m from 1 to k_max+1, each run
+        inside `hold()` (the engine's cores to itself: `Engine.alone`).
 
         Takes the fastest of `reps` runs (interference only ever adds time) and fits a line
         v(m) = a + b*m: a forward pass costs a fixed part plus a per-token part, and a fit
@@ -96,9 +99,10 @@ class CostModel:
         for m in ms:
             samples = []
             for _ in range(reps):
-                start = time.perf_counter()
-                score_fn(m)
-                samples.append((time.perf_counter() - start) * 1000)
+                with hold():
+                    start = time.perf_counter()
+                    score_fn(m)
+                    samples.append((time.perf_counter() - start) * 1000)
             best.append(min(samples))
         n = len(ms)
         mean_m, mean_v = sum(ms) / n, sum(best) / n

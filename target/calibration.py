@@ -56,9 +56,10 @@ def speculation_costs(model_id: str, engine: Engine, draft_engine: Engine | None
         fresh = ids[1:] + ids[:1]  # rotated: shares no prefix with the warm-up
         target = _greedy(engine, fresh, AGREEMENT_TOKENS)
         dseq = draft_engine.new_sequence()
-        t = time.perf_counter()
-        logits = draft_engine.prefill(dseq, fresh)
-        prefill_ms = (time.perf_counter() - t) * 1000 / len(fresh)
+        with draft_engine.alone():
+            t = time.perf_counter()
+            logits = draft_engine.prefill(dseq, fresh)
+            prefill_ms = (time.perf_counter() - t) * 1000 / len(fresh)
         # One pass prices a draft step and counts how often the draft picks the target's greedy
         # token: the model drafter's acceptance prior. The configured prior is a guess for any
         # draft; llama.cpp on the target's own GGUF agrees nearly always, so the first requests
@@ -66,13 +67,15 @@ def speculation_costs(model_id: str, engine: Engine, draft_engine: Engine | None
         samples, agree = [], 0
         for token in target:
             agree += int(logits.argmax()) == token
-            t = time.perf_counter()
-            logits = draft_engine.decode_step(dseq, token)
-            samples.append((time.perf_counter() - t) * 1000)
+            with draft_engine.alone():
+                t = time.perf_counter()
+                logits = draft_engine.decode_step(dseq, token)
+                samples.append((time.perf_counter() - t) * 1000)
         draft_engine.release(dseq)
         draft_ms = sorted(samples)[len(samples) // 2]
         priors["model"] = min(0.95, max(0.3, agree / len(target)))  # a few tokens are a small sample
-    costs = CostModel.calibrate(score, spec.k_max, draft_ms, spec.prior_acceptance, prefill_ms, acceptance_priors=priors)
+    costs = CostModel.calibrate(score, spec.k_max, draft_ms, spec.prior_acceptance, prefill_ms, acceptance_priors=priors,
+                                hold=engine.alone)
     engine.release(seq)
     log.info(
         "%s speculation: verify ms by tokens %s, draft %.1f ms/token, draft prefill %.1f ms/token, acceptance priors %s",
@@ -99,9 +102,10 @@ def prefill_cost(model_id: str, engine: Engine) -> tuple[float, float]:
         for n in PREFILL_PROBE_TOKENS:
             prompt = [ids[(i * 7 + n) % len(ids)] for i in range(n)]  # shares no prefix with another probe
             seq = engine.new_sequence(salt=n + round_ * 1000)  # a salt of its own: no prefix reused
-            start = time.perf_counter()
-            engine.prefill(seq, prompt)
-            best[n] = min(best[n], (time.perf_counter() - start) * 1000)
+            with engine.alone():
+                start = time.perf_counter()
+                engine.prefill(seq, prompt)
+                best[n] = min(best[n], (time.perf_counter() - start) * 1000)
             engine.release(seq)
     (n1, n2), (t1, t2) = PREFILL_PROBE_TOKENS, (best[n] for n in PREFILL_PROBE_TOKENS)
     per_token = max(0.01, (t2 - t1) / (n2 - n1))
@@ -125,9 +129,10 @@ def plain_step_ms(model_id: str, engine: Engine, max_batch: int) -> dict[int, fl
         batch, samples = seqs[:n], []
         for _ in range(3):
             lengths = [seq.length for seq in batch]
-            start = time.perf_counter()
-            engine.decode_batch(batch, ids[:n] if n <= len(ids) else [ids[0]] * n)
-            samples.append((time.perf_counter() - start) * 1000)
+            with engine.alone():
+                start = time.perf_counter()
+                engine.decode_batch(batch, ids[:n] if n <= len(ids) else [ids[0]] * n)
+                samples.append((time.perf_counter() - start) * 1000)
             for seq, length in zip(batch, lengths):
                 engine.rollback(seq, length)
         step_ms[n] = min(samples)

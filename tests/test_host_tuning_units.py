@@ -141,6 +141,36 @@ def test_a_long_pass_runs_alone_on_every_core_and_a_short_one_beside_another_eng
     assert cores.passes == {"all": 1, "one": 1, "alone": 2}
 
 
+def test_a_probe_held_alone_times_every_pass_on_all_threads_and_keeps_other_engines_out(tmp_path):
+    """`CoreShare.alone()`, what a replica's start-up probes run in: the other engine's pass
+    under way ends before the block starts, every pass inside (a decode step, a long prompt, the
+    co-located draft's) runs on all threads without taking the lock again, and another engine's
+    step waits for the block's end, so a probe times its own engine, not its neighbours'."""
+    from host_tuning.cores import EXCLUSIVE_MIN_TOKENS, CoreShare, PassLock
+
+    path = str(tmp_path / "cores")
+    target, draft = CoreShare(2, enabled=True), CoreShare(2, enabled=True)
+    target.lock = draft.lock = PassLock(path)  # one process's engines share its lock
+    other = _other_engine(path, "beside", 0.4)
+    _entered(other)
+    with target.alone():
+        started = time.monotonic()
+        assert target.lock.held
+        with target.forward_pass(8) as step, target.forward_pass(EXCLUSIVE_MIN_TOKENS) as prompt:
+            assert (step, prompt) == (2, 2)
+        with draft.forward_pass(4) as drafted:
+            assert drafted == 2
+        waiting = _other_engine(path, "beside", 0)
+        time.sleep(0.4)
+        ended = time.monotonic()
+    assert not target.lock.held
+    assert started >= _left(other), "the block waited for the pass under way"
+    assert _entered(waiting) >= ended, "another engine's step waited for the block"
+    for proc in (other, waiting):
+        proc.wait(timeout=10)
+    assert target.passes == {"all": 0, "one": 0, "alone": 2} and draft.passes["alone"] == 1
+
+
 def test_a_prefill_beside_the_cache_lookup_leaves_a_core_free_until_the_moment_then_takes_both(serve_file):
     """Host tuning's lookup window: the prefill runs on one thread while the ingress's
     lookup embeds beside it, and goes back to both at the first decoder layer after the
