@@ -15,7 +15,8 @@ as a prefix, so `accepted / proposed` would read a = 0.9 at k = 8 as about 0.64.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 
 class Ema:
@@ -84,7 +85,7 @@ class CostModel:
         draft_prefill_ms_per_token: float = 0.0,
         reps: int = 5,
         acceptance_priors: dict[str, float] | None = None,
-        hold=nullcontext,
+        hold: Callable[[], AbstractContextManager] = nullcontext,
     ):
         """Time `score_fn(m)` (a forward pass over m tokens) for m from 1 to k_max+1, each run
         inside `hold()` (the engine's cores to itself: `Engine.alone`).
