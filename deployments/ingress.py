@@ -102,11 +102,14 @@ class HandleBackends:
         return await self._cache_call("lookup", key, scope, query)
 
     async def cache_invalidate(self, tenant: str) -> int:
-        """The fleet's log first (every cache replica and near cache applies it within a sync),
-        then one replica at once, whose count is the answer."""
-        if self._controller is not None:
-            await self._controller.invalidate.remote(tenant)
-        return await self._cache.invalidate.remote(tenant)
+        """One replica at once, whose count is the answer, then the fleet's log (every cache
+        replica and near cache applies it within a sync). In this order, since a replica that
+        applied the log first would have nothing left to count."""
+        try:
+            return await self._cache.invalidate.remote(tenant)
+        finally:
+            if self._controller is not None:
+                await self._controller.invalidate.remote(tenant)
 
     def cache_store(self, entry: CacheEntry) -> None:
         self._fire(self._cache_call("store", entry))

@@ -385,3 +385,46 @@ def test_a_foreign_process_gets_no_answer_and_runs_no_code_through_a_channel(tmp
     asyncio.run(scenario())
     assert not marker.exists(), "a frame ran a command"
     assert ran == ["hello"], ran
+
+
+class _Replica:
+    """A cache replica's `invalidate` over a real ExactCache, and the controller's log that the
+    replica follows: here it applies the log the moment it is written, the interleaving a
+    replica's sync can hit."""
+
+    def __init__(self) -> None:
+        from configs.schemas import CacheConfig
+        from semantic_cache.exact import CachedResponse, ExactCache
+
+        self.cache = ExactCache(CacheConfig())
+        for i in range(3):
+            self.cache.put(f"k{i}", "tenant-a", CachedResponse(f"a{i}", "stop", 1, 1, "m"))
+        self.invalidate = _Remote(lambda tenant: len(self.cache.invalidate(tenant)))
+
+
+class _Remote:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.calls: list = []
+
+    def remote(self, *args):
+        self.calls.append(args)
+
+        async def run():
+            return self.fn(*args)
+
+        return run()
+
+
+def test_cache_invalidation_counts_what_it_dropped_when_the_log_applies_first():
+    from deployments.ingress import HandleBackends
+
+    replica = _Replica()
+
+    class Controller:
+        invalidate = _Remote(lambda tenant: replica.cache.invalidate(tenant) and 1)
+
+    backends = HandleBackends(replica, router=None, models={}, write_timeout_s=1.0, controller=Controller())
+    assert asyncio.run(backends.cache_invalidate("tenant-a")) == 3
+    assert Controller.invalidate.calls == [("tenant-a",)]  # the fleet's log still has it
+    assert len(replica.cache) == 0
