@@ -104,12 +104,13 @@ class HandleBackends:
     async def cache_invalidate(self, tenant: str) -> int:
         """One replica at once, whose count is the answer, then the fleet's log (every cache
         replica and near cache applies it within a sync). In this order, since a replica that
-        applied the log first would have nothing left to count."""
+        applied the log first would have nothing left to count. The log is written on a failure
+        too, within its own bound: this runs after a timeout's cancellation as well."""
         try:
             return await self._cache.invalidate.remote(tenant)
         finally:
             if self._controller is not None:
-                await self._controller.invalidate.remote(tenant)
+                await asyncio.wait_for(self._controller.invalidate.remote(tenant), self._write_timeout_s)
 
     def cache_store(self, entry: CacheEntry) -> None:
         self._fire(self._cache_call("store", entry))

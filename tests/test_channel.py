@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -411,7 +412,8 @@ class _Remote:
         self.calls.append(args)
 
         async def run():
-            return self.fn(*args)
+            out = self.fn(*args)
+            return await out if asyncio.iscoroutine(out) else out
 
         return run()
 
@@ -428,3 +430,24 @@ def test_cache_invalidation_counts_what_it_dropped_when_the_log_applies_first():
     assert asyncio.run(backends.cache_invalidate("tenant-a")) == 3
     assert Controller.invalidate.calls == [("tenant-a",)]  # the fleet's log still has it
     assert len(replica.cache) == 0
+
+
+def test_cache_invalidation_is_bounded_when_the_replica_and_the_log_both_hang():
+    from deployments.ingress import HandleBackends
+
+    async def hang(tenant):
+        await asyncio.sleep(60)
+
+    class Stuck:
+        invalidate = _Remote(hang)
+
+    backends = HandleBackends(Stuck(), router=None, models={}, write_timeout_s=0.3, controller=Stuck())
+
+    async def scenario():
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(backends.cache_invalidate("tenant-a"), 0.2)  # the ingress's stage bound
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 5
+    assert Stuck.invalidate.calls == [("tenant-a",), ("tenant-a",)]  # the log was still asked
