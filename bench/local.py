@@ -147,16 +147,18 @@ def _wait_healthy(base: str, deadline: float, what: str) -> None:
 def another_app(
     serve_file: ServeFile, args: AppArgs, name: str, proxy_url: str,
     deployment_options: dict[str, dict] | None = None, startup_timeout_s: float = 300,
+    logging_config: dict | None = None,
 ) -> Iterator[str]:
     """One more app of the graph on the Serve already running (tests): yield its base URL (its
     own direct listener if `args` has one, else the proxy at `/name`) once healthy; delete it
-    afterwards."""
+    afterwards. Its replicas log at WARNING unless `logging_config` says otherwise."""
     from ray import serve
 
     from deployments.app import build_graph
 
     options = deployment_options if deployment_options is not None else serve_file.deployment_options
-    serve.run(build_graph(args, options, quiet_logging(serve_file)), name=name, route_prefix=f"/{name}")
+    logging_config = logging_config if logging_config is not None else quiet_logging(serve_file)
+    serve.run(build_graph(args, options, logging_config), name=name, route_prefix=f"/{name}")
     direct = args.ingress.direct_port
     base = f"http://127.0.0.1:{direct}" if direct is not None else f"{proxy_url}/{name}"
     _wait_healthy(base, time.monotonic() + startup_timeout_s, f"app {name}")

@@ -37,6 +37,9 @@ from telemetry.metrics import RequestMetrics
 from telemetry.tracing import make_tracer
 
 log = logging.getLogger(__name__)
+# Ray Serve's own logger: a replica's lines there reach `serve run`'s terminal at the
+# configured `logging_config.log_level`, where a user waits to hear that the service is up.
+terminal = logging.getLogger("ray.serve")
 
 
 class ServeModelStream:
@@ -357,6 +360,7 @@ class Ingress:
         # seconds while another stood ready. It joins the port once it answers at once.
         if self._direct is not None:
             self._direct.start()
+        terminal.info("ready: the OpenAI API answers on %s", self._direct.url if self._direct else "Serve's proxy")
 
     def _stalled_readers(self) -> int:
         return self._direct.app.stalled if getattr(self, "_direct", None) is not None else 0

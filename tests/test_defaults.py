@@ -27,13 +27,14 @@ class Shipped:
 
 @pytest.fixture(scope="module")
 def shipped(service):
-    """serve_config.yaml's args untouched (the shared test service tightens admission and runs
-    one ingress), as a second app on the same Serve, with a direct port of its own."""
+    """serve_config.yaml's args and logging untouched (the shared test service tightens
+    admission, runs one ingress and logs at WARNING), as a second app on the same Serve, with a
+    direct port of its own."""
     from bench.local import another_app, free_port
 
     args = service.config.args.model_copy(deep=True)
     args.ingress.direct_port = free_port()
-    with another_app(service.config, args, "shipped", service.proxy_url) as base:
+    with another_app(service.config, args, "shipped", service.proxy_url, logging_config=service.config.logging_config) as base:
         yield Shipped(base, f"{service.proxy_url}/shipped")
 
 
@@ -56,6 +57,17 @@ def test_three_then_eight_concurrent_requests_without_headers_are_all_answered(s
         failed = [f"{a!r} {getattr(a, 'body', '')}"[:600] for a in answers if isinstance(a, BaseException)]
         assert not failed, f"{len(failed)} of {n} concurrent requests failed: {failed}"
         assert all(a.choices[0].message.content for a in answers)
+
+
+def test_a_ready_ingress_says_where_it_answers_where_serve_run_prints(shipped):
+    """`serve run` prints Serve's replica log lines; the README tells a user to wait for this one."""
+    import glob
+
+    import ray
+
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    said = "".join(open(f).read() for f in glob.glob(f"{logs}/serve/replica_shipped_Ingress_*.log"))
+    assert f"ready: the OpenAI API answers on {shipped.direct}" in said
 
 
 def test_a_request_during_warm_up_waits_for_it_or_is_told_so(serve_file, tokenizer):
