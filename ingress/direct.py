@@ -115,7 +115,6 @@ class DirectListener:
         """Serve on the running event loop (the replica's, where the pipeline's handles live)."""
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._sock]))
         self._task.add_done_callback(self._ended)
-        log.info("ingress also answers directly at %s (no Ray Serve proxy hop)", self.url)
 
     def stop(self) -> None:
         self._server.should_exit = True
