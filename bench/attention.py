@@ -1,5 +1,5 @@
 """Suite `attention`: the llama.cpp engine's decode step and prefill with ggml's flash-attention
-kernel off (as shipped) and on, by context length and sequences a step.
+kernel off and on (the shipped `auto` picks one by the CPU), by context length and sequences a step.
 
 For each of serve_config.yaml's two llama.cpp models (the small model and the target), two
 engines that differ only in `flash_attention` run in this process (no Ray, no HTTP), taking

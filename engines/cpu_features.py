@@ -1,7 +1,7 @@
 """What this CPU computes natively, from the kernel's CPU flags (Linux /proc/cpuinfo).
 
-Engines pick kernels by it: llama.cpp's AMX repack (`llamacpp_engine`). Read once per process;
-empty where /proc/cpuinfo is missing.
+Engines pick kernels by it: llama.cpp's AMX repack and its attention in decode steps
+(`llamacpp_engine`). Read once per process; empty where /proc/cpuinfo is missing.
 """
 
 from __future__ import annotations
@@ -24,3 +24,8 @@ def cpu_flags() -> frozenset[str]:
 def cpu_has_amx() -> bool:
     """Intel AMX tiles (Sapphire Rapids and later)."""
     return "amx_tile" in cpu_flags()
+
+
+def cpu_has_avx512() -> bool:
+    """AVX-512 Foundation: 512-bit vectors, which ggml's matrix products use."""
+    return "avx512f" in cpu_flags()

@@ -34,17 +34,17 @@ class Context:
     """One llama.cpp context over `model` with `n_seq` sequences of up to `n_ctx` tokens each."""
 
     def __init__(self, model, n_seq: int, n_ctx: int, threads: int, flash_attention: str) -> None:
+        """`flash_attention`: "on" or "off" (the engine resolves a config's "auto")."""
         import llama_cpp as lib
 
         self.lib = lib
         params = lib.llama_context_default_params()
         # The setting decides whether V is stored transposed; a sequence's KV moves to a context
         # of the other layout through `restore(..., source=)` (engines/kv_state.py).
-        params.flash_attn_type = {
-            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-        }[flash_attention]
-        self.v_transposed = {"off": True, "on": False}.get(flash_attention)  # auto: llama.cpp's to choose
+        params.flash_attn_type = {"off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED}[
+            flash_attention
+        ]
+        self.v_transposed = flash_attention == "off"
         params.n_ctx = n_ctx * n_seq
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_seq_max = n_seq
@@ -106,8 +106,6 @@ class Context:
     def restore(self, buf: ctypes.Array, seq: int, source: "Context | None" = None) -> None:
         """`seq` holds the state `buf` exported, from this context or from `source`."""
         if source is not None and source.v_transposed != self.v_transposed:
-            if source.v_transposed is None or self.v_transposed is None:
-                raise RuntimeError("a KV moves between an auto flash-attention context and another only if they agree")
             moved = relayout(buf, self.v_transposed)
             if moved is not None:
                 buf = (ctypes.c_uint8 * len(moved)).from_buffer(moved)

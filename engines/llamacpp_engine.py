@@ -39,7 +39,7 @@ import torch
 
 from configs.schemas import EngineConfig
 from engines.base import Engine, Sequence
-from engines.cpu_features import cpu_has_amx
+from engines.cpu_features import cpu_has_amx, cpu_has_avx512
 from engines.llamacpp_context import Context, load_model
 from engines.model_store import package_dir, requantized_gguf, resolve_model_dir
 from host_tuning.cores import CoreShare
@@ -107,8 +107,9 @@ class LlamaCppEngine(Engine):
         self.cores = CoreShare(config.num_threads, share_cores)
         self.max_sequences = config.max_sequences
         self._models = [load_model(gguf, repack)]
+        self.flash_attention = decode_attention(config.flash_attention)
         self._ctx = Context(
-            self._models[0], self.max_sequences, config.max_model_len, config.num_threads, config.flash_attention
+            self._models[0], self.max_sequences, config.max_model_len, config.num_threads, self.flash_attention
         )
         model = self._models[0]
         # What a sequence's KV depends on besides the weights' values (`takes_kv_from`).
@@ -125,10 +126,7 @@ class LlamaCppEngine(Engine):
             # cost their KV memory.
             # Prompts on flash attention, its faster prefill; their KV is re-laid for the decoding
             # context's setting when it moves there.
-            self._prefill = Context(
-                self._models[1], self.max_sequences, config.max_model_len, config.num_threads,
-                "auto" if config.flash_attention == "auto" else "on",
-            )
+            self._prefill = Context(self._models[1], self.max_sequences, config.max_model_len, config.num_threads, "on")
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
         self.copy_passes = 0  # runs of tokens evaluated on the prefill copy
@@ -221,18 +219,13 @@ class LlamaCppEngine(Engine):
 
     def takes_kv_from(self, source: Engine) -> bool:
         """Another llama.cpp engine over a model of the same shape, whose contexts hold as many
-        streams (llama.cpp moves a sequence's state only between such contexts) and agree on the
-        V layout or can be re-laid (engines/kv_state.py). The weights may differ: the KV is the
+        streams (llama.cpp moves a sequence's state only between such contexts); V is re-laid
+        where their attention settings differ (engines/kv_state.py). The weights may differ: the KV is the
         source's, computed on its weights (a Q4_1 draft takes the float32 target's prompt, which
         its own float32 prefill copy would have computed alike)."""
         if self._kv_refused or not isinstance(source, LlamaCppEngine) or source is self:
             return False
-        if source.max_sequences != self.max_sequences:
-            return False
-        layouts = {source._ctx.v_transposed, self._ctx.v_transposed}
-        if None in layouts and len(layouts) > 1:
-            return False
-        return source.shape == self.shape
+        return source.max_sequences == self.max_sequences and source.shape == self.shape
 
     def kv_tokens(self, seq: Sequence) -> int:
         state: _SeqState = seq.kv
@@ -436,6 +429,16 @@ class LlamaCppEngine(Engine):
         with self.cores.forward_pass(len(items)) as threads:
             ctx.set_threads(threads)
             return ctx.eval(items)
+
+
+def decode_attention(setting: str) -> str:
+    """The decoding context's attention for a config's `flash_attention`: "auto" is off where the
+    CPU has AVX-512, whose matrix products make a step over a long context up to twice as fast
+    as the kernel's, and on elsewhere, where steps cost about the same either way and the
+    kernel computes prompts faster (docs/engines.md)."""
+    if setting != "auto":
+        return setting
+    return "off" if cpu_has_avx512() else "on"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -139,6 +139,10 @@ def test_speculation_knobs_that_would_silently_do_nothing_are_rejected():
     weights["target"]["engine"]["weights"] = "f32"
     with pytest.raises(ValidationError, match="weights is a llama_cpp setting"):
         AppArgs.model_validate(weights)
+    attention = copy.deepcopy(base)
+    attention["target"]["engine"]["flash_attention"] = "off"
+    with pytest.raises(ValidationError, match="flash_attention is a llama_cpp setting"):
+        AppArgs.model_validate(attention)
 
 
 def test_served_model_ids_must_exist():

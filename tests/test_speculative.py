@@ -508,13 +508,13 @@ def test_a_repeated_prompt_gets_the_same_first_token_whether_or_not_its_prefix_w
     short or long, runs its last token on that copy too, so the first token comes from the same
     weights as on a cold cache (the newcomer's "capital of France" said Paris once, then
     something else on every repeat). A conversation's next turn, a few new tokens after a long
-    prefix its slot holds, runs where it decodes, off the flash-attention kernel: no round trip
-    of the held KV through the copy."""
+    prefix its slot holds, runs where it decodes where that is off the flash-attention kernel
+    (`auto` on a CPU with AVX-512): no round trip of the held KV through the copy."""
     from engines.llamacpp_engine import NEXT_TURN_HELD_TOKENS, NEXT_TURN_NEW_TOKENS, LlamaCppEngine
 
     config = serve_file.args.draft.engine
     assert config.kind == "llama_cpp" and config.prefill_quant == "f32", "the shipped small model"
-    engine = LlamaCppEngine(config.model_copy(update={"max_sequences": 2}))
+    engine = LlamaCppEngine(config.model_copy(update={"max_sequences": 2, "flash_attention": "off"}))
     turns = conversations()["rag"][0]
     long = _chat_ids(engine.tokenizer, turns)
     assert len(long) > NEXT_TURN_HELD_TOKENS
@@ -863,7 +863,7 @@ def test_flash_attention_reaches_every_context_and_the_kv_handover_still_works(s
     real = lib.llama_init_from_model
     monkeypatch.setattr(lib, "llama_init_from_model", lambda model, params: seen.append(params.flash_attn_type) or real(model, params))
     config = serve_file.args.draft.engine.model_copy(update={"max_sequences": 2})
-    assert config.flash_attention == "off" and config.prefill_quant is not None, "the shipped small model"
+    assert config.flash_attention == "auto" and config.prefill_quant is not None, "the shipped small model"
     engine = LlamaCppEngine(config.model_copy(update={"flash_attention": flash_attention}))
     want = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention == "on" else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
     assert seen == [want, lib.LLAMA_FLASH_ATTN_TYPE_ENABLED], seen  # the decoding context, the prefill copy
@@ -879,9 +879,37 @@ def test_flash_attention_reaches_every_context_and_the_kv_handover_still_works(s
 
     picks = greedy(engine)
     monkeypatch.setattr(lib, "llama_init_from_model", real)
-    reference = greedy(LlamaCppEngine(config)) if flash_attention != "off" else picks
+    other = "on" if flash_attention == "off" else "off"
+    reference = greedy(LlamaCppEngine(config.model_copy(update={"flash_attention": other})))
     assert sum(a == b for a, b in zip(picks, reference)) >= len(reference) - 2, (picks, reference)
     assert len(set(picks)) > 3, picks  # a broken KV decodes a repeated token or noise
+
+
+@pytest.mark.parametrize("avx512, want", [(True, "off"), (False, "on")])
+def test_auto_attention_is_off_with_avx512_and_on_without(monkeypatch, avx512, want):
+    """`flash_attention: auto` (the default) picks the decoding context's attention by the CPU:
+    matrix products where AVX-512 makes them the faster step, the kernel elsewhere. The context
+    llama.cpp creates gets that setting, and the engine knows its V layout (a KV handover
+    re-lays it only where two contexts differ)."""
+    import llama_cpp as lib
+
+    from engines import llamacpp_engine
+    from engines.llamacpp_engine import LlamaCppEngine, decode_attention
+
+    monkeypatch.setattr(llamacpp_engine, "cpu_has_avx512", lambda: avx512)
+    assert decode_attention("auto") == want
+    assert decode_attention("on") == "on" and decode_attention("off") == "off"
+    seen = []
+    real = lib.llama_init_from_model
+    monkeypatch.setattr(lib, "llama_init_from_model", lambda model, params: seen.append(params.flash_attn_type) or real(model, params))
+    from configs.serve_config import load_serve_config
+
+    config = load_serve_config().args.target.engine.model_copy(update={"max_sequences": 1})
+    assert config.kind == "llama_cpp" and config.flash_attention == "auto", "the shipped target"
+    engine = LlamaCppEngine(config)
+    on = want == "on"
+    assert seen[0] == (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if on else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED), seen
+    assert engine.flash_attention == want and engine._ctx.v_transposed is (not on)
 
 
 def test_the_shipped_small_model_answers_as_float32_does():
