@@ -128,7 +128,7 @@ class EngineConfig(Strict):
     )
     flash_attention: Literal["auto", "on", "off"] = Field(
         "auto", description="llama_cpp: ggml's flash-attention kernel in decode steps. off: attention as matrix "
-        "products, with AVX-512 up to twice as fast a step once a context holds a few hundred tokens; on: the "
+        "products, with AVX-512 the faster step once a context holds a few hundred tokens; on: the "
         "kernel, which computes prompts faster; auto: off on CPUs with AVX-512, on elsewhere (with AVX2 alone "
         "the steps cost about the same either way and the kernel's prompts are faster). The prefill copy "
         "(prefill_quant) runs prompts with it on whatever this says (docs/engines.md)",

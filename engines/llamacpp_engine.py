@@ -433,9 +433,9 @@ class LlamaCppEngine(Engine):
 
 def decode_attention(setting: str) -> str:
     """The decoding context's attention for a config's `flash_attention`: "auto" is off where the
-    CPU has AVX-512, whose matrix products make a step over a long context up to twice as fast
-    as the kernel's, and on elsewhere, where steps cost about the same either way and the
-    kernel computes prompts faster (docs/engines.md)."""
+    CPU has AVX-512, whose matrix products make a step over a long context faster than the
+    kernel's, and on elsewhere, where steps cost about the same either way and the kernel
+    computes prompts faster (docs/engines.md)."""
     if setting != "auto":
         return setting
     return "off" if cpu_has_avx512() else "on"
