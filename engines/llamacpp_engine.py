@@ -124,8 +124,8 @@ class LlamaCppEngine(Engine):
             # As many streams as the decoding context: llama.cpp moves a sequence's KV only
             # between contexts of the same stream count. Only its first is used; the others
             # cost their KV memory.
-            # Prompts on flash attention, its faster prefill; their KV is re-laid for the decoding
-            # context's setting when it moves there.
+            # Prompts on flash attention, its faster prefill; their KV is re-laid on its way to the
+            # decoding context where that one runs without it.
             self._prefill = Context(self._models[1], self.max_sequences, config.max_model_len, config.num_threads, "on")
         self.evictions = 0  # a slot taken from a live sequence, which must recompute its KV
         self.moves = 0  # running sequences moved down a slot to keep the running ones consecutive
@@ -220,9 +220,9 @@ class LlamaCppEngine(Engine):
     def takes_kv_from(self, source: Engine) -> bool:
         """Another llama.cpp engine over a model of the same shape, whose contexts hold as many
         streams (llama.cpp moves a sequence's state only between such contexts); V is re-laid
-        where their attention settings differ (engines/kv_state.py). The weights may differ: the KV is the
-        source's, computed on its weights (a Q4_1 draft takes the float32 target's prompt, which
-        its own float32 prefill copy would have computed alike)."""
+        where their attention settings differ (engines/kv_state.py). The weights may differ: the
+        KV is the source's, computed on its weights (a Q4_1 draft takes the float32 target's
+        prompt, which its own float32 prefill copy would have computed alike)."""
         if self._kv_refused or not isinstance(source, LlamaCppEngine) or source is self:
             return False
         return source.max_sequences == self.max_sequences and source.shape == self.shape
