@@ -239,8 +239,8 @@ class ModelEstimates:
         `behind_step`: it started beside requests running on its model with no prefill ahead of
         it, so its `queue_ms` was the wait for the step in progress, which is at most
         `longest_step_ms` (the slowest model's step at that concurrency: the models share the
-        cores). A longer wait was for a prefill this ingress did not know of (another ingress's),
-        which no prediction here can see coming: learned as the step's wait, one such prompt
+        cores). A longer wait was for a prefill this ingress did not know of (an ingress's on
+        another node), which no prediction here can see coming: learned as the step's wait, one such prompt
         set a level's wait at many steps, and every prompt after it was predicted that late."""
         if behind_step and start_concurrency is not None:
             wait = queue_ms if longest_step_ms is None else min(queue_ms, longest_step_ms)

@@ -38,6 +38,7 @@ from collections import Counter
 from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
 from admission.occupancy import Occupancy
+from admission.prefill_board import PrefillBoard
 from admission.running import finish_estimate, prefills_ahead_ms
 from admission.ticket import Prediction, Rejection, Ticket
 from admission.ttft_calibration import TtftCalibration
@@ -79,6 +80,9 @@ class AdmissionGate:
         # The models share the box's cores (host tuning on): one model's prompt waits for every
         # model's prefills, not only its own's (a long pass runs alone: host_tuning/cores.py).
         self.shared_cores = False
+        # The other ingress replicas' prompts in prefill on this node (admission/prefill_board.py);
+        # None: this gate sees only its own.
+        self.board: PrefillBoard | None = None
         self._queue: list[tuple[int, float, int, Ticket, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self.admitted = 0
@@ -115,8 +119,13 @@ class AdmissionGate:
         return sum(1 for t in self.running if t.model_id == model_id) + self.others_inflight.get(model_id, 0)
 
     def model_idle(self, model_id: str) -> bool:
-        """Nothing runs on `model_id`, here or (as last synced) on the other ingress replicas."""
-        return self.running_on(model_id) == 0
+        """Nothing runs on `model_id`, here or (as last synced, or in prefill now) on the other
+        ingress replicas."""
+        return self.running_on(model_id) == 0 and not any(p.model_id == model_id for p in self._others_prefilling())
+
+    def _others_prefilling(self) -> list:
+        """The other ingress replicas' prompts in prefill on this node, now (not yet in a sync)."""
+        return [] if self.board is None else self.board.others()
 
     def _waiting_tenants(self) -> set[str]:
         return {q.tenant for *_, q, w in self._queue if not w.done()}
@@ -179,8 +188,15 @@ class AdmissionGate:
 
     def _prefills_ahead_ms(self, now: float, model_id: str) -> float:
         """The wait for the prompts still in prefill ahead of a new one on `model_id` (on any
-        model, where the models share the cores): admission/running.py."""
-        return prefills_ahead_ms(self.running, now, None if self.shared_cores else model_id)
+        model, where the models share the cores), this gate's and the other ingress replicas'
+        on the node: admission/running.py."""
+        ahead = [*self.running, *self._others_prefilling()]
+        return prefills_ahead_ms(ahead, now, None if self.shared_cores else model_id)
+
+    def _publish_prefills(self) -> None:
+        """Tell the other ingress replicas on the node which prompts this one has in prefill."""
+        if self.board is not None:
+            self.board.publish(t for t in self.running if not t.prefilled)
 
     def first_token(self, t: Ticket) -> None:
         """The ticket's first token arrived: how long it took against the prediction calibrates
@@ -189,7 +205,9 @@ class AdmissionGate:
             if t.started_at:
                 self.calibration.learn(t.model_id, self._clock() - t.started_at, t.first_at - t.started_at, t.ttft_scale)
             t.decode_from = self.occupancy.read()
-        t.prefilled = True
+        was_pending, t.prefilled = not t.prefilled and t in self.running, True
+        if was_pending:
+            self._publish_prefills()
         self._wake()
 
     def _fits_now(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> bool:
@@ -243,7 +261,7 @@ class AdmissionGate:
         shared cores past its TTFT target while others wait, or slow the box's streams past
         their per-token targets. Either way, a request whose first token could not even arrive
         before its end-to-end deadline is shed: it is hopeless."""
-        idle_box = self.concurrency() == 0
+        idle_box = self.concurrency() == 0 and not self._others_prefilling()
         if not idle_box and not self.model_idle(t.model_id):
             return False
         if self.estimates[t.model_id].itl.levels == {}:
@@ -449,8 +467,11 @@ class AdmissionGate:
             self._wake()  # a dropped head may have held up requests that can start
 
     def release(self, t: Ticket) -> None:
+        pending = not t.prefilled and t in self.running
         self.running.discard(t)
         self.occupancy.set(self.concurrency())
+        if pending:  # it ended before its first token (an error, a client gone)
+            self._publish_prefills()
         self._wake()
 
     def count(self, rejection: Rejection) -> Rejection:
@@ -468,6 +489,7 @@ class AdmissionGate:
         t.behind_step = c > 1 and not self.model_idle(t.model_id) and ahead_s == 0
         self.running.add(t)
         self.occupancy.set(self.concurrency())
+        self._publish_prefills()
         self.admitted += 1
 
     def _wake(self) -> None:

@@ -13,6 +13,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from admission.prefill_board import PrefillBoard
 from admission.sync import AdmissionSync
 from configs.limits import check_ingress
 from configs.schemas import AppArgs, EngineConfig
@@ -274,6 +275,10 @@ class Ingress:
             on_invalidated=self.pipeline.cache.forget_tenants,
         )
         self._sync_task = asyncio.create_task(self._admission.run_forever())
+        try:  # the other ingress replicas on this node see this one's prompts in prefill, and it theirs
+            self.pipeline.gate.board = PrefillBoard()
+        except OSError as exc:
+            log.warning("no prefill board on this node, admission sees only its own prefills: %r", exc)
         self._direct = None
         if config.ingress.direct_port is not None:
             self._direct = DirectListener(
@@ -296,6 +301,9 @@ class Ingress:
     def _close(self) -> None:
         if getattr(self, "_direct", None) is not None:
             self._direct.stop()
+        gate = getattr(getattr(self, "pipeline", None), "gate", None)
+        if gate is not None and gate.board is not None:
+            gate.board.close()
         backends = getattr(getattr(self, "pipeline", None), "backends", None)
         if backends is not None:
             for pool in [backends.cache_channels, *backends.model_channels.values()]:
