@@ -50,6 +50,9 @@ INF = float("inf")
 # waiting request is predicted to start when a running one is predicted to end, and that
 # estimate errs late, so a factor on top would shed at light load requests FIFO serves in time.
 QUEUE_HEADROOM = 1.25
+# How often a gate with requests waiting looks again at the other ingress replicas' prompts in
+# prefill (admission/prefill_board.py): a fraction of a prefill, a few reads of a few files.
+BOARD_POLL_S = 0.01
 
 
 class AdmissionGate:
@@ -83,6 +86,7 @@ class AdmissionGate:
         # The other ingress replicas' prompts in prefill on this node (admission/prefill_board.py);
         # None: this gate sees only its own.
         self.board: PrefillBoard | None = None
+        self._board_watch: asyncio.Task[None] | None = None
         self._queue: list[tuple[int, float, int, Ticket, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self.admitted = 0
@@ -434,6 +438,7 @@ class AdmissionGate:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (t.priority, t.deadline or INF, next(self._seq), t, waiter)
         heapq.heappush(self._queue, entry)
+        self._watch_board()
         # The latest start that can still meet its deadlines: past it, it is dropped unserved.
         first_ms, last_ms = self._service_ms(t, max(1, self.concurrency()))
         by_deadline, by_first = (t.deadline or INF) - last_ms / 1000, (t.ttft_deadline or INF) - first_ms / 1000
@@ -508,6 +513,17 @@ class AdmissionGate:
             heapq.heapify(self._queue)
             self._start(t, now)  # the slot is handed over, not re-raced
             waiter.set_result(None)
+
+    def _watch_board(self) -> None:
+        """While requests wait here, look at the board again every BOARD_POLL_S: another
+        replica's prefill ending may let the head start, and no event here says so."""
+        if self.board is not None and (self._board_watch is None or self._board_watch.done()):
+            self._board_watch = asyncio.get_running_loop().create_task(self._poll_board())
+
+    async def _poll_board(self) -> None:
+        while self.queued:
+            await asyncio.sleep(BOARD_POLL_S)
+            self._wake()
 
     def _prune(self) -> None:
         self._queue = [e for e in self._queue if not e[4].done()]

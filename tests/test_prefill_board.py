@@ -103,3 +103,29 @@ def test_a_board_reads_only_the_others_and_a_dead_writers_file_is_removed(tmp_pa
     assert len(other.others()) == 1
     mine.close()
     assert other.others() == [], "a replica that shuts down takes its prompts with it"
+
+
+def test_a_request_queued_behind_another_replicas_prefill_starts_when_that_prefill_ends(tmp_path):
+    """B's request can't start while replica A's 600 ms prefill is ahead of it (the stall would
+    push B's running request past its deadline), so it queues. A's first token is no event on
+    B: B looks at the board again while anything waits, and starts it then, not when its own
+    running request ends or the request's latest start passes."""
+    now = [1000.0]
+    a, b = _gates(tmp_path, now)
+
+    async def main():
+        await a.acquire(Ticket("m", "t", 0, 300, 10, arrived=now[0]))  # 600 ms of prefill
+        running = Ticket("m", "t", 0, 10, 10, arrived=now[0])
+        running.started_at, running.first_at, running.finish_at = now[0], now[0] + 0.02, now[0] + 0.3
+        running.deadline, running.prefilled = now[0] + 0.5, True
+        b.running.add(running)
+        waiting = Ticket("m", "t", 0, 10, 10, arrived=now[0], deadline=now[0] + 60, ttft_deadline=now[0] + 2)
+        task = asyncio.create_task(b.acquire(waiting))
+        await asyncio.sleep(0.05)
+        assert not task.done() and b.queued == 1, "A's prefill ahead would stall the running request too long"
+        for t in list(a.running):
+            a.first_token(t)
+        await asyncio.wait_for(task, 0.5)
+        assert waiting in b.running and running in b.running
+
+    asyncio.run(main())
