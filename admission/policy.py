@@ -226,6 +226,8 @@ class AdmissionPolicy:
             "max_queued": gate.max_queued,
             "running_by_model": gate.running_by_model(),
             "others_inflight": dict(gate.others_inflight),
+            # the other ingress replicas' prompts in prefill on this node now (prefill_board.py); null: no board
+            "others_prefilling": None if gate.board is None else len(gate.board.others()),
             "seats": dict(gate.seats),
             "admitted": gate.admitted,
             "rejected": dict(gate.rejected),

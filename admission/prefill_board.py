@@ -4,12 +4,12 @@ A new prompt waits in its model replica's queue for the prompts ahead of it (and
 models share the cores, for every model's). Each ingress replica knows its own; the others'
 reached it only as counts, twice a second, through the controller (admission/sync.py). So a
 prompt admitted beside another ingress's long prefill was predicted to start at once, and its
-first token came about twice as late as predicted: it was admitted where it should have been
+first token came late by most of that prefill: it was admitted where it should have been
 queued or moved, and the lateness it taught (`TtftCalibration`) shed other requests later.
 
 Here every gate writes its prompts in prefill (model, start, predicted first token) to a file
 of its own in a per-user directory in /dev/shm, replaced whole at each change, and reads the
-other files when it predicts, in-process: no hop, a few microseconds. Times are
+other files when it predicts, in-process: no hop, a read of a few small files. Times are
 `time.monotonic()`, one clock for every process on the node. A prompt still listed past its
 predicted first token is counted as the gate counts its own (admission/running.py), and
 forgotten once it is as late again as it was predicted to take: a file whose writer died

@@ -129,3 +129,16 @@ def test_a_request_queued_behind_another_replicas_prefill_starts_when_that_prefi
         assert waiting in b.running and running in b.running
 
     asyncio.run(main())
+
+
+def test_health_says_how_many_prompts_the_other_replicas_have_in_prefill(tmp_path):
+    from admission.policy import AdmissionPolicy
+    from configs.schemas import AdmissionConfig
+
+    policy = AdmissionPolicy(AdmissionConfig())
+    assert policy.snapshot()["others_prefilling"] is None, "no board: nothing shared to count"
+    policy.gate.board = PrefillBoard(str(tmp_path), memo_s=0.0)
+    other = PrefillBoard(str(tmp_path), memo_s=0.0)
+    now = time.monotonic()
+    other.publish([Ticket("m", "t", 0, 10, 10, started_at=now, first_at=now + 5)])
+    assert policy.snapshot()["others_prefilling"] == 1
