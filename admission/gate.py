@@ -87,6 +87,7 @@ class AdmissionGate:
         # None: this gate sees only its own.
         self.board: PrefillBoard | None = None
         self._board_watch: asyncio.Task[None] | None = None
+        self._publish_due = False  # a write of this gate's prefills is scheduled
         self._queue: list[tuple[int, float, int, Ticket, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self.admitted = 0
@@ -198,7 +199,21 @@ class AdmissionGate:
         return prefills_ahead_ms(ahead, now, None if self.shared_cores else model_id)
 
     def _publish_prefills(self) -> None:
-        """Tell the other ingress replicas on the node which prompts this one has in prefill."""
+        """Tell the other ingress replicas on the node which prompts this one has in prefill:
+        once the event loop is free, not on the way of the model call or the first token it
+        follows (changes in one turn of the loop are one write)."""
+        if self.board is None or self._publish_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a caller outside one): now
+            self._write_prefills()
+            return
+        self._publish_due = True
+        loop.call_soon(self._write_prefills)
+
+    def _write_prefills(self) -> None:
+        self._publish_due = False
         if self.board is not None:
             self.board.publish(t for t in self.running if not t.prefilled)
 

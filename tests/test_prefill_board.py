@@ -25,6 +25,15 @@ def _gates(directory, now: list[float], shared_cores: bool = False) -> tuple[Adm
     return gates[0], gates[1]
 
 
+def _started(gate: AdmissionGate, t: Ticket) -> None:
+    """Admit `t` on `gate` and let the gate's loop turn, so that its board is written."""
+    async def main():
+        await gate.acquire(t)
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+
+
 def _fresh(now: float, model: str = "m", ttft_s: float = 0.3) -> Ticket:
     return Ticket(model, "t", 0, 10, 10, arrived=now, deadline=now + 60, ttft_deadline=now + ttft_s)
 
@@ -39,12 +48,14 @@ def test_a_prompt_another_ingress_replica_has_in_prefill_delays_this_ones_first_
     async def main():
         long_prompt = Ticket("m", "t", 0, 300, 10, arrived=now[0])
         await a.acquire(long_prompt)
+        await asyncio.sleep(0)  # A writes its board once its event loop is free
         assert b.check(_fresh(now[0])) is not None, "B must see A's prefill ahead of the request"
         blind = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 2.0), safety=1.0, clock=lambda: now[0])
         assert blind.check(_fresh(now[0])) is None, "a gate without the board would start it"
         assert b.predicted(_fresh(now[0])).ttft_ms >= 600.0
         now[0] += 0.2
         a.first_token(long_prompt)
+        await asyncio.sleep(0)
         assert b.check(_fresh(now[0])) is None, "its prefill is done: nothing is ahead any more"
 
     asyncio.run(main())
@@ -57,8 +68,10 @@ def test_a_prompt_released_before_its_first_token_stops_counting_on_the_other_re
     async def main():
         cancelled = Ticket("m", "t", 0, 300, 10, arrived=now[0])
         await a.acquire(cancelled)
+        await asyncio.sleep(0)
         assert b._prefills_ahead_ms(now[0], "m") == pytest.approx(600.0)
         a.release(cancelled)  # its client went away mid-prefill
+        await asyncio.sleep(0)
         assert b._prefills_ahead_ms(now[0], "m") == 0.0
 
     asyncio.run(main())
@@ -67,7 +80,7 @@ def test_a_prompt_released_before_its_first_token_stops_counting_on_the_other_re
 def test_another_replicas_prefill_on_another_model_counts_only_where_the_models_share_the_cores(tmp_path):
     now = [1000.0]
     a, b = _gates(tmp_path, now)
-    asyncio.run(a.acquire(Ticket("small", "t", 0, 300, 10, arrived=now[0])))
+    _started(a, Ticket("small", "t", 0, 300, 10, arrived=now[0]))
     assert b._prefills_ahead_ms(now[0], "m") == 0.0
     b.shared_cores = True
     assert b._prefills_ahead_ms(now[0], "m") == pytest.approx(600.0)
@@ -80,7 +93,7 @@ def test_a_listed_prompt_counts_until_as_late_again_as_predicted_then_is_forgott
     now = [1000.0]
     a, b = _gates(tmp_path, now)
     late = Ticket("m", "t", 0, 300, 10, arrived=now[0])
-    asyncio.run(a.acquire(late))
+    _started(a, late)
     predicted_s = late.first_at - late.started_at
     now[0] = late.first_at + predicted_s / 2
     assert b._prefills_ahead_ms(now[0], "m") == pytest.approx(predicted_s / 2 * 1000)
@@ -115,6 +128,7 @@ def test_a_request_queued_behind_another_replicas_prefill_starts_when_that_prefi
 
     async def main():
         await a.acquire(Ticket("m", "t", 0, 300, 10, arrived=now[0]))  # 600 ms of prefill
+        await asyncio.sleep(0)
         running = Ticket("m", "t", 0, 10, 10, arrived=now[0])
         running.started_at, running.first_at, running.finish_at = now[0], now[0] + 0.02, now[0] + 0.3
         running.deadline, running.prefilled = now[0] + 0.5, True
