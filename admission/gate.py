@@ -19,8 +19,8 @@ who is queued ahead, the fleet's load from the controller) and online service-ti
 A tier may bound the wait (`max_queue_ms`). An idle model takes a request it can start in time
 (`_idle_takes`). Tenants share fairly (admission/fair_share.py): each holds at most its share of
 slots, seats and queue, and the queue is served by a virtual token counter, EDF within a
-tenant. Every first token calibrates its model's next predictions (ttft_calibration.py). The
-why of each rule: docs/admission.md.
+tenant (admission/wait_queue.py). Every first token calibrates its model's next predictions
+(ttft_calibration.py). The why of each rule: docs/admission.md.
 
 Concurrency counts every model's running requests: on one box the models share the cores, so
 each model's ITL is learned against the total.
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import itertools
 import math
 import time
 from collections import Counter
@@ -42,6 +41,7 @@ from admission.prefill_board import PrefillBoard
 from admission.running import finish_estimate, prefills_ahead_ms
 from admission.ticket import Prediction, Rejection, Ticket
 from admission.ttft_calibration import TtftCalibration
+from admission.wait_queue import WaitQueue
 
 INF = float("inf")
 # A request is queued only if it is predicted to make its deadline with this much to spare;
@@ -50,9 +50,6 @@ INF = float("inf")
 # waiting request is predicted to start when a running one is predicted to end, and that
 # estimate errs late, so a factor on top would shed at light load requests FIFO serves in time.
 QUEUE_HEADROOM = 1.25
-# How often a gate with requests waiting looks again at the other ingress replicas' prompts in
-# prefill (admission/prefill_board.py): a fraction of a prefill, a few reads of a few files.
-BOARD_POLL_S = 0.01
 
 
 class AdmissionGate:
@@ -86,10 +83,7 @@ class AdmissionGate:
         # The other ingress replicas' prompts in prefill on this node (admission/prefill_board.py);
         # None: this gate sees only its own.
         self.board: PrefillBoard | None = None
-        self._board_watch: asyncio.Task[None] | None = None
-        self._publish_due = False  # a write of this gate's prefills is scheduled
-        self._queue: list[tuple[int, float, int, Ticket, asyncio.Future[None]]] = []
-        self._seq = itertools.count()
+        self.queue = WaitQueue(self.shares)
         self.admitted = 0
         self.rejected: dict[str, int] = {}
         self.calibration = TtftCalibration(ttft_tail_quantile, clock)
@@ -103,13 +97,13 @@ class AdmissionGate:
 
     @property
     def queued(self) -> int:
-        return sum(1 for *_, w in self._queue if not w.done())
+        return len(self.queue)
 
     def running_by_model(self) -> dict[str, int]:
         return dict(Counter(t.model_id for t in self.running))
 
     def queued_by_model(self) -> dict[str, int]:
-        return dict(Counter(t.model_id for *_, t, waiter in self._queue if not waiter.done()))
+        return self.queue.by_model()
 
     def _tenant_room(self, t: Ticket) -> bool:
         return self.shares.room(t, self.running, self.max_inflight, self.seats.get(t.model_id))
@@ -133,7 +127,7 @@ class AdmissionGate:
         return [] if self.board is None else self.board.others()
 
     def _waiting_tenants(self) -> set[str]:
-        return {q.tenant for *_, q, w in self._queue if not w.done()}
+        return self.queue.tenants()
 
     def concurrency(self) -> int:
         """Requests running on the box, every model's (see the module docstring)."""
@@ -199,23 +193,9 @@ class AdmissionGate:
         return prefills_ahead_ms(ahead, now, None if self.shared_cores else model_id)
 
     def _publish_prefills(self) -> None:
-        """Tell the other ingress replicas on the node which prompts this one has in prefill:
-        once the event loop is free, not on the way of the model call or the first token it
-        follows (changes in one turn of the loop are one write)."""
-        if self.board is None or self._publish_due:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a caller outside one): now
-            self._write_prefills()
-            return
-        self._publish_due = True
-        loop.call_soon(self._write_prefills)
-
-    def _write_prefills(self) -> None:
-        self._publish_due = False
+        """Tell the other ingress replicas on the node which prompts this one has in prefill."""
         if self.board is not None:
-            self.board.publish(t for t in self.running if not t.prefilled)
+            self.board.publish_soon(lambda: [t for t in self.running if not t.prefilled])
 
     def first_token(self, t: Ticket) -> None:
         """The ticket's first token arrived: how long it took against the prediction calibrates
@@ -368,7 +348,7 @@ class AdmissionGate:
         None to queue it."""
         if self.queued >= self.max_queued:
             return self.reject("queue_full", "the service is at capacity and its queue is full", t, len(ahead))
-        if self.shares.queue_full(t.tenant, self._queued_of(t.tenant), self.max_queued):
+        if self.shares.queue_full(t.tenant, self.queue.of(t.tenant), self.max_queued):
             return self.reject("queue_full", "this API key's share of the queue is full", t, len(ahead), tenant_limit=True)
         predicted = self.predict(t, ahead, now)
         if not self._meets(t, predicted, now):
@@ -393,44 +373,9 @@ class AdmissionGate:
             return False
         return t.deadline is None or t.arrived + e2e / 1000 <= t.deadline
 
-    def _queued_of(self, tenant: str) -> int:
-        return sum(1 for *_, q, w in self._queue if not w.done() and q.tenant == tenant)
-
     def _queue_ahead(self, t: Ticket) -> list[Ticket]:
-        """The queued tickets that would start before `t`: every one of a higher priority; in
-        its own, its tenant's with an earlier deadline, and another tenant's whose virtual
-        counter, with that tenant's earlier tickets started, stays below `t`'s tenant's."""
-        live = sorted((e for e in self._queue if not e[4].done() and e[0] <= t.priority), key=lambda e: e[:3])
-        # A tenant at its cap starts nothing more until one of its own ends: its queue is not
-        # ahead of anyone else's.
-        room = {q.tenant: self._tenant_room(q) for _, _, _, q, _ in live if q.tenant != t.tenant}
-        live = [e for e in live if e[3].tenant == t.tenant or room[e[3].tenant]]
-        ahead = [q for p, _, _, q, _ in live if p < t.priority]
-        same = [q for p, _, _, q, _ in live if p == t.priority]
-        own = [q for q in same if q.tenant == t.tenant and (q.deadline or INF) <= (t.deadline or INF)]
-        waiting = self._waiting_tenants()
-        mine_at = self.shares.counter(t.tenant, waiting) + sum(q.cost for q in own)
-        counters: dict[str, float] = {}
-        for q in same:
-            if q.tenant == t.tenant:
-                continue
-            at = counters.setdefault(q.tenant, self.shares.counter(q.tenant, waiting))
-            if at < mine_at:
-                ahead.append(q)
-            counters[q.tenant] = at + q.cost
-        return ahead + own
-
-    def _next(self) -> tuple[Ticket, asyncio.Future[None]] | None:
-        """The queued ticket to start next: of the tenants under their cap, the highest
-        priority; in it, the least-served tenant (virtual counter), and its earliest deadline.
-        None when no queued ticket's tenant may start one now."""
-        live = [e for e in self._queue if not e[4].done() and self._tenant_room(e[3])]
-        if not live:
-            return None
-        top = min(e[0] for e in live)
-        waiting = self._waiting_tenants()
-        best = min((e for e in live if e[0] == top), key=lambda e: (self.shares.counter(e[3].tenant, waiting), e[1], e[2]))
-        return best[3], best[4]
+        """The queued tickets that would start before `t` (admission/wait_queue.py)."""
+        return self.queue.ahead(t, self._tenant_room)
 
     # ------------------------------------------------------------------ decisions
 
@@ -450,10 +395,9 @@ class AdmissionGate:
         rejection = self._wait_rejection(t, ahead, now, not_now)
         if rejection is not None:
             raise self.count(rejection)
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (t.priority, t.deadline or INF, next(self._seq), t, waiter)
-        heapq.heappush(self._queue, entry)
-        self._watch_board()
+        waiter = self.queue.push(t)
+        if self.board is not None:  # another replica's prefill ending is no event here
+            self.board.watch(lambda: self.queued > 0, self._wake)
         # The latest start that can still meet its deadlines: past it, it is dropped unserved.
         first_ms, last_ms = self._service_ms(t, max(1, self.concurrency()))
         by_deadline, by_first = (t.deadline or INF) - last_ms / 1000, (t.ttft_deadline or INF) - first_ms / 1000
@@ -516,33 +460,20 @@ class AdmissionGate:
         """Start queued tickets in order while the head fits. A head that does not fit holds the
         line until a release makes room or its latest useful start passes (its waiter's timeout
         drops it, and wakes the next)."""
-        while self._queue and self.inflight < self.max_inflight:
-            found = self._next()
+        while self.queue and self.inflight < self.max_inflight:
+            found = self.queue.next(self._tenant_room)
             if found is None:
                 return  # nothing queued, or only tenants at their cap: a release wakes them
             t, waiter = found
             now = self._clock()
             if self._not_taken(t, now) is not None:
                 return  # head of line: more urgent requests are not overtaken
-            self._queue = [e for e in self._queue if e[3] is not t]
-            heapq.heapify(self._queue)
+            self.queue.remove(t)
             self._start(t, now)  # the slot is handed over, not re-raced
             waiter.set_result(None)
 
-    def _watch_board(self) -> None:
-        """While requests wait here, look at the board again every BOARD_POLL_S: another
-        replica's prefill ending may let the head start, and no event here says so."""
-        if self.board is not None and (self._board_watch is None or self._board_watch.done()):
-            self._board_watch = asyncio.get_running_loop().create_task(self._poll_board())
-
-    async def _poll_board(self) -> None:
-        while self.queued:
-            await asyncio.sleep(BOARD_POLL_S)
-            self._wake()
-
     def _prune(self) -> None:
-        self._queue = [e for e in self._queue if not e[4].done()]
-        heapq.heapify(self._queue)
+        self.queue.prune()
 
     def reject(self, reason: str, message: str, t: Ticket, ahead: int, predicted: Prediction | None = None,
                waited_ms: float = 0.0, tenant_limit: bool = False, not_now: str | None = None) -> Rejection:

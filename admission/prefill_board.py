@@ -18,20 +18,24 @@ stops counting by then, and is removed once its writer's process is gone.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from host_tuning.shm import node_path
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".prefills"
 FORGET_DEAD_AFTER_S = 60.0  # a file unchanged this long is checked for a live writer
 MEMO_S = 0.002  # one admission decision asks many times: it reads the files once
+# How often a gate with requests waiting reads the board again: a fraction of a prefill.
+POLL_S = 0.01
 _ids = itertools.count()
 
 
@@ -45,15 +49,10 @@ class Pending:
     prefilled: bool = False
 
 
-def default_directory() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"latency-serve-prefills-{os.getuid()}")
-
-
 class PrefillBoard:
     def __init__(self, directory: str | None = None, clock: Callable[[], float] = time.monotonic,
                  memo_s: float = MEMO_S) -> None:
-        self.directory = directory or default_directory()
+        self.directory = directory or node_path("prefills")
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._clock = clock
         self.memo_s = memo_s
@@ -62,6 +61,8 @@ class PrefillBoard:
         self._read: dict[str, tuple[tuple[int, int], list[Pending]]] = {}  # file -> (its version, entries)
         self.failed = False  # set when the directory can't be written: this replica then only reads
         self._memo: tuple[float, list[Pending]] | None = None  # (when, what `others` read then)
+        self._due = False  # a write is scheduled
+        self._watch: asyncio.Task[None] | None = None
 
     def publish(self, pending: Iterable) -> None:
         """This gate's prompts in prefill now (tickets: model_id, started_at, first_at)."""
@@ -75,6 +76,36 @@ class PrefillBoard:
             if not self.failed:
                 log.warning("prefill board unwritable, other ingress replicas won't see this one's prefills: %r", exc)
             self.failed = True
+
+    def publish_soon(self, pending: Callable[[], Iterable]) -> None:
+        """`publish(pending())` once the event loop is free: not on the way of the model call or
+        of the first token it follows; the changes of one turn of the loop are one write.
+        Outside an event loop, now."""
+        if self._due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.publish(pending())
+            return
+        self._due = True
+
+        def write() -> None:
+            self._due = False
+            self.publish(pending())
+
+        loop.call_soon(write)
+
+    def watch(self, waiting: Callable[[], bool], wake: Callable[[], None]) -> None:
+        """While `waiting()`, call `wake` every POLL_S: another replica's prefill ending may let a
+        queued request start, and nothing on this replica says so."""
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._poll(waiting, wake))
+
+    async def _poll(self, waiting: Callable[[], bool], wake: Callable[[], None]) -> None:
+        while waiting():
+            await asyncio.sleep(POLL_S)
+            wake()
 
     def others(self, now: float | None = None) -> list[Pending]:
         """The other gates' prompts in prefill, less those forgotten (see the module docstring)."""

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from host_tuning.shm import node_path
 
 BUSY_CORES = 0.35  # other processes' use, in cores, from which a pass runs on one thread
 EXCLUSIVE_MIN_TOKENS = 32  # a pass over this many tokens runs alone on all its threads
@@ -113,8 +114,7 @@ class PassLock:
     holding it so that new short passes queue behind it instead of starving it."""
 
     def __init__(self, path: str | None = None) -> None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = path or os.path.join(base, f"latency-serve-cores-{os.getuid()}")
+        path = path or node_path("cores")
         self._turnstile = os.open(path + ".turnstile", os.O_RDWR | os.O_CREAT, 0o600)
         self._passes = os.open(path + ".passes", os.O_RDWR | os.O_CREAT, 0o600)
         # This process holds the box alone across several passes (`CoreShare.alone`): its engines'

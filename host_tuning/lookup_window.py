@@ -26,11 +26,12 @@ import logging
 import mmap
 import os
 import random
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from host_tuning.shm import node_path
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,7 @@ _ID_BYTES = 8
 
 
 def _default_path() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"latency-serve-lookups-{os.getuid()}")
+    return node_path("lookups")
 
 
 def lookup_id(request_id: str) -> str:
