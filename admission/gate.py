@@ -2,7 +2,8 @@
 
 Every request arrives as a `Ticket`: its model, tier priority, deadlines and token counts. The
 gate predicts when it could start and when it would finish, from live state (who is running,
-who is queued ahead, the fleet's load from the controller) and online service-time estimates:
+who is queued ahead, the other ingress replicas' requests: on this node's board now, elsewhere
+as the controller synced them) and online service-time estimates:
 
     start now      a slot is free, nobody more urgent waits, it meets its own deadlines, and
                    the requests already running still meet theirs with one more sequence
@@ -37,8 +38,8 @@ from collections import Counter
 from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
 from admission.occupancy import Occupancy
-from admission.prefill_board import PrefillBoard
-from admission.running import finish_estimate, prefills_ahead_ms
+from admission.node_board import Listed, NodeBoard
+from admission.running import expected_end, finish_estimate, longest_end, prefills_ahead_ms
 from admission.ticket import Prediction, Rejection, Ticket
 from admission.ttft_calibration import TtftCalibration
 from admission.wait_queue import WaitQueue
@@ -72,7 +73,9 @@ class AdmissionGate:
         self.safety = safety
         self._clock = clock
         self.running: set[Ticket] = set()
-        self.others_inflight: dict[str, int] = {}  # other ingress replicas' running, from the controller
+        # The other ingress replicas' running requests by replica and model, as the controller last
+        # synced them; a replica on this node's board counts by the board instead (`others_inflight`).
+        self.synced_others: dict[str, dict[str, int]] = {}
         # Sequences a model's replicas hold at once (llama.cpp KV contexts x replicas); absent:
         # no fixed limit (a batching engine). Past it, a new request waits in the engine's queue
         # for a whole answer to finish, which a TTFT prediction from prefill costs never sees.
@@ -80,9 +83,9 @@ class AdmissionGate:
         # The models share the box's cores (host tuning on): one model's prompt waits for every
         # model's prefills, not only its own's (a long pass runs alone: host_tuning/cores.py).
         self.shared_cores = False
-        # The other ingress replicas' prompts in prefill on this node (admission/prefill_board.py);
-        # None: this gate sees only its own.
-        self.board: PrefillBoard | None = None
+        # The other ingress replicas' requests on this node, now (admission/node_board.py);
+        # None: this gate sees only its own, and the others' as synced.
+        self.board: NodeBoard | None = None
         self.queue = WaitQueue(self.shares)
         self.admitted = 0
         self.rejected: dict[str, int] = {}
@@ -114,13 +117,24 @@ class AdmissionGate:
         return self.shares.crowded(t, self.running, self.seats.get(t.model_id), self.others_inflight.get(t.model_id, 0))
 
     def running_on(self, model_id: str) -> int:
-        """Requests running on `model_id`, here and (as last synced) on the other ingress replicas."""
+        """Requests running on `model_id`, here and on the other ingress replicas."""
         return sum(1 for t in self.running if t.model_id == model_id) + self.others_inflight.get(model_id, 0)
 
+    @property
+    def others_inflight(self) -> dict[str, int]:
+        """The other ingress replicas' running requests by model: those on this node's board as
+        they are now, the rest as the controller last synced them (up to two syncs old)."""
+        fresh = {} if self.board is None else self.board.view().running
+        synced = [counts for replica, counts in self.synced_others.items() if replica not in fresh]
+        out: dict[str, int] = {}
+        for counts in [*synced, *fresh.values()]:
+            for model, n in counts.items():
+                out[model] = out.get(model, 0) + n
+        return out
+
     def model_idle(self, model_id: str) -> bool:
-        """Nothing runs on `model_id`, here or (as last synced, or in prefill now) on the other
-        ingress replicas."""
-        return self.running_on(model_id) == 0 and not any(p.model_id == model_id for p in self._others_prefilling())
+        """Nothing runs on `model_id`, here or on the other ingress replicas."""
+        return self.running_on(model_id) == 0
 
     def _others_prefilling(self) -> list:
         """The other ingress replicas' prompts in prefill on this node, now (not yet in a sync)."""
@@ -149,11 +163,14 @@ class AdmissionGate:
         mine = [self._finish_estimate(r, now) for r in self.running if r.model_id == t.model_id]
         return min(mine) if mine else now + self._service_ms(t, max(1, self.concurrency()))[1] / 1000
 
-    def set_limits(self, max_inflight: int, max_queued: int, others_inflight: dict[str, int] | None = None) -> None:
+    def set_limits(self, max_inflight: int, max_queued: int,
+                   others_by_replica: dict[str, dict[str, int]] | None = None) -> None:
+        """The controller's sync: this replica's share of the limits, and the other replicas'
+        running requests by replica id and model."""
         self.max_inflight = max(1, max_inflight)
         self.max_queued = max(0, max_queued)
-        if others_inflight is not None:
-            self.others_inflight = dict(others_inflight)
+        if others_by_replica is not None:
+            self.synced_others = {r: dict(c) for r, c in others_by_replica.items()}
             self.occupancy.set(self.concurrency())
         self._wake()
 
@@ -192,10 +209,15 @@ class AdmissionGate:
         ahead = [*self.running, *self._others_prefilling()]
         return prefills_ahead_ms(ahead, now, None if self.shared_cores else model_id)
 
-    def _publish_prefills(self) -> None:
-        """Tell the other ingress replicas on the node which prompts this one has in prefill."""
+    def _publish(self) -> None:
+        """Tell the other ingress replicas on the node what this one runs, and which prompts of
+        it are in prefill."""
         if self.board is not None:
-            self.board.publish_soon(lambda: [t for t in self.running if not t.prefilled])
+            self.board.publish_soon(lambda: [self._listed(t) for t in self.running])
+
+    def _listed(self, t: Ticket) -> Listed:
+        return Listed(t.model_id, t.started_at, t.first_at, t.finish_at, longest_end(t, self.estimates[t.model_id]),
+                      t.prefilled)
 
     def first_token(self, t: Ticket) -> None:
         """The ticket's first token arrived: how long it took against the prediction calibrates
@@ -206,7 +228,7 @@ class AdmissionGate:
             t.decode_from = self.occupancy.read()
         was_pending, t.prefilled = not t.prefilled and t in self.running, True
         if was_pending:
-            self._publish_prefills()
+            self._publish()
         self._wake()
 
     def _fits_now(self, t: Ticket, now: float, ttft_headroom: float = 1.0) -> bool:
@@ -260,7 +282,7 @@ class AdmissionGate:
         shared cores past its TTFT target while others wait, or slow the box's streams past
         their per-token targets. Either way, a request whose first token could not even arrive
         before its end-to-end deadline is shed: it is hopeless."""
-        idle_box = self.concurrency() == 0 and not self._others_prefilling()
+        idle_box = self.concurrency() == 0
         if not idle_box and not self.model_idle(t.model_id):
             return False
         if self.estimates[t.model_id].itl.levels == {}:
@@ -273,9 +295,14 @@ class AdmissionGate:
 
     def predict(self, t: Ticket, ahead: list[Ticket], now: float) -> Prediction:
         """When `t` would start and finish if it waited behind `ahead`: each departure of a
-        running request lets the next one in, at today's concurrency."""
+        running request lets the next one in, at today's concurrency. While this replica has
+        slots free, what it waits for is room on the box, so the other replicas' departures on
+        this node count too."""
         c = max(1, self.concurrency())
-        slots = sorted(self._finish_estimate(r, now) for r in self.running) or [now]
+        ends = [self._finish_estimate(r, now) for r in self.running]
+        if self.board is not None and self.inflight < self.max_inflight:
+            ends += [expected_end(r.finish_at, r.longest, now) for r in self.board.view().requests]
+        slots = sorted(ends) or [now]
         slots = slots[: max(1, min(len(slots), self.max_inflight))]
         heapq.heapify(slots)
         for q in ahead:
@@ -396,7 +423,7 @@ class AdmissionGate:
         if rejection is not None:
             raise self.count(rejection)
         waiter = self.queue.push(t)
-        if self.board is not None:  # another replica's prefill ending is no event here
+        if self.board is not None:  # another replica's prefill or request ending is no event here
             self.board.watch(lambda: self.queued > 0, self._wake)
         # The latest start that can still meet its deadlines: past it, it is dropped unserved.
         first_ms, last_ms = self._service_ms(t, max(1, self.concurrency()))
@@ -431,11 +458,10 @@ class AdmissionGate:
             self._wake()  # a dropped head may have held up requests that can start
 
     def release(self, t: Ticket) -> None:
-        pending = not t.prefilled and t in self.running
-        self.running.discard(t)
+        if t in self.running:
+            self.running.discard(t)
+            self._publish()
         self.occupancy.set(self.concurrency())
-        if pending:  # it ended before its first token (an error, a client gone)
-            self._publish_prefills()
         self._wake()
 
     def count(self, rejection: Rejection) -> Rejection:
@@ -453,7 +479,7 @@ class AdmissionGate:
         t.behind_step = c > 1 and not self.model_idle(t.model_id) and ahead_s == 0
         self.running.add(t)
         self.occupancy.set(self.concurrency())
-        self._publish_prefills()
+        self._publish()
         self.admitted += 1
 
     def _wake(self) -> None:

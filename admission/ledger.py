@@ -30,7 +30,8 @@ class AdmissionShare:
     max_inflight: int
     max_queued: int
     live_replicas: int
-    others_inflight: dict[str, int] = field(default_factory=dict)  # the other replicas' running, by model
+    # the other replicas' running requests, by replica id and model
+    others_by_replica: dict[str, dict[str, int]] = field(default_factory=dict)
     replicas: dict[str, int] = field(default_factory=dict)  # RUNNING replicas by deployment name (the controller's last count)
     invalidations: Any = None  # cache invalidations since the report's invalidation_seq (Invalidations)
     others_tenants: tuple[str, ...] = ()  # tenants active on the other replicas
@@ -61,19 +62,18 @@ class AdmissionLedger:
         horizon = now - 3 * self.config.sync_interval_s
         self._seen = {rid: v for rid, v in self._seen.items() if v[0] >= horizon}
         live = len(self._seen)
-        others: dict[str, int] = {}
+        others: dict[str, dict[str, int]] = {}
         tenants: set[str] = set()
         for rid, (_, r) in self._seen.items():
             if rid != replica_id:
-                for model, n in r.running_by_model.items():
-                    others[model] = others.get(model, 0) + n
+                others[rid] = dict(r.running_by_model)
                 tenants.update(r.active_tenants)
         theirs = self._relay(replica_id, report)
         return AdmissionShare(
             max_inflight=max(1, math.ceil(self.config.max_inflight / live)),
             max_queued=math.ceil(self.config.max_queued / live),
             live_replicas=live,
-            others_inflight=others,
+            others_by_replica=others,
             others_tenants=tuple(sorted(tenants)),
             observations=theirs,
             observations_seq=self._last_seq,

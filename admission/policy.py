@@ -202,14 +202,14 @@ class AdmissionPolicy:
         }
 
     def synced(
-        self, max_inflight: int, max_queued: int, others_inflight: dict[str, int], live_replicas: int,
+        self, max_inflight: int, max_queued: int, others_by_replica: dict[str, dict[str, int]], live_replicas: int,
         replicas: dict[str, int] | None = None, others_tenants: tuple[str, ...] = (),
     ) -> None:
         now = time.monotonic()
         if self.synced_at is not None:
             self.max_view_age_ms = max(self.max_view_age_ms, (now - self.synced_at) * 1000)
         self.synced_at = now
-        self.gate.set_limits(max_inflight, max_queued, others_inflight)
+        self.gate.set_limits(max_inflight, max_queued, others_by_replica)
         self.gate.shares.ingress_share = 1.0 / max(1, live_replicas)
         self.gate.shares.elsewhere = frozenset(others_tenants)
         self.limiter.share = 1.0 / max(1, live_replicas)
@@ -226,7 +226,7 @@ class AdmissionPolicy:
             "max_queued": gate.max_queued,
             "running_by_model": gate.running_by_model(),
             "others_inflight": dict(gate.others_inflight),
-            # the other ingress replicas' prompts in prefill on this node now (prefill_board.py); null: no board
+            # the other ingress replicas' prompts in prefill on this node now (node_board.py); null: no board
             "others_prefilling": None if gate.board is None else len(gate.board.others()),
             "seats": dict(gate.seats),
             "admitted": gate.admitted,

@@ -36,7 +36,18 @@ def finish_estimate(r: Ticket, now: float, est: ModelEstimates) -> float:
     already has, though no longer than its max_tokens allow. Expecting it to end `now` queued
     TTFT-tier requests behind it that then passed their latest start and were dropped after a
     long wait, where a shed at arrival takes milliseconds."""
-    if r.finish_at >= now:
-        return r.finish_at
-    longest = r.first_at + r.max_tokens * est.itl_ms(r.concurrency_at_start) / 1000
-    return max(now, min(now + (now - r.finish_at), longest))
+    return expected_end(r.finish_at, longest_end(r, est), now)
+
+
+def longest_end(r: Ticket, est: ModelEstimates) -> float:
+    """The latest a running request can end: its max_tokens at the time between tokens predicted
+    at its start."""
+    return r.first_at + r.max_tokens * est.itl_ms(r.concurrency_at_start) / 1000
+
+
+def expected_end(finish_at: float, longest: float, now: float) -> float:
+    """`finish_estimate` from a predicted finish and the latest end (another ingress replica's
+    request, as its board row says)."""
+    if finish_at >= now:
+        return finish_at
+    return max(now, min(now + (now - finish_at), longest))

@@ -42,7 +42,7 @@ class AdmissionSync:
                 self.on_invalidated(share.invalidations.tenants)
             self.invalidation_seq = share.invalidations.seq
         self.policy.synced(
-            share.max_inflight, share.max_queued, share.others_inflight, share.live_replicas, share.replicas,
+            share.max_inflight, share.max_queued, share.others_by_replica, share.live_replicas, share.replicas,
             share.others_tenants,
         )
         self.last_share = share

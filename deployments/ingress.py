@@ -13,7 +13,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from admission.prefill_board import PrefillBoard
+from admission.node_board import NodeBoard
 from admission.sync import AdmissionSync
 from configs.limits import check_ingress
 from configs.schemas import AppArgs, EngineConfig
@@ -275,10 +275,10 @@ class Ingress:
             on_invalidated=self.pipeline.cache.forget_tenants,
         )
         self._sync_task = asyncio.create_task(self._admission.run_forever())
-        try:  # the other ingress replicas on this node see this one's prompts in prefill, and it theirs
-            self.pipeline.gate.board = PrefillBoard()
+        try:  # the other ingress replicas on this node see what this one runs now, and it theirs
+            self.pipeline.gate.board = NodeBoard(replica_id=replica_id)
         except OSError as exc:
-            log.warning("no prefill board on this node, admission sees only its own prefills: %r", exc)
+            log.warning("no node board, admission sees the other ingress replicas only as synced: %r", exc)
         self._direct = None
         if config.ingress.direct_port is not None:
             self._direct = DirectListener(

@@ -366,7 +366,7 @@ def test_gate_counts_other_ingress_replicas_running_requests():
     gate = _gate(itl_ms=10)
     t = _ticket(100, deadline_s=0.6)  # 50 tokens: 0.5 s alone
     assert gate.would_meet(t)
-    gate.set_limits(4, 4, {"m": 3})  # the controller says 3 run elsewhere: 4 share each step
+    gate.set_limits(4, 4, {"other": {"m": 3}})  # the controller says 3 run elsewhere: 4 share each step
     assert not gate.would_meet(t)
 
 
@@ -826,7 +826,7 @@ def test_a_model_whose_seats_are_all_taken_starts_nothing_new_and_predicts_the_w
         await gate.acquire(first)
         probe = Ticket("small", "t", 0, 10, 20, deadline=10.0, ttft_deadline=1.0, arrived=0.0)
         assert gate.in_time(probe), "a seat is free"
-        gate.set_limits(8, 4, {"small": 1})  # another ingress holds the second seat
+        gate.set_limits(8, 4, {"other": {"small": 1}})  # another ingress holds the second seat
         assert not gate.seat_free("small") and not gate.in_time(probe)
         assert gate.in_time(Ticket("m", "t", 0, 10, 20, deadline=10.0, ttft_deadline=1.0, arrived=0.0)), (
             "another model's requests are not held up by these seats"
@@ -838,7 +838,7 @@ def test_a_model_whose_seats_are_all_taken_starts_nothing_new_and_predicts_the_w
         with pytest.raises(Rejection) as shed:
             await gate.acquire(capped)
         assert shed.value.reason == "queue_wait_limit"
-        gate.set_limits(8, 4, {})  # the other ingress's request ended
+        gate.set_limits(8, 4, {"other": {}})  # the other ingress's request ended
         assert gate.in_time(probe)
 
     asyncio.run(main())
@@ -1039,7 +1039,7 @@ def test_ledger_shares_limits_among_live_replicas():
     # Each replica hears of the others' running requests, by model (its own are its own).
     ledger.report("c", ReplicaReport(3, 0, 3, 0, {"large": 2, "small": 1}))
     share = ledger.report("b", ReplicaReport(1, 0, 3, 0, {"large": 1}))
-    assert share.others_inflight == {"large": 2, "small": 1}
+    assert share.others_by_replica == {"c": {"large": 2, "small": 1}}
 
 
 def test_a_prompt_whose_prefix_its_model_holds_is_priced_by_the_tokens_left_to_compute():
@@ -1163,7 +1163,7 @@ def test_seats_held_by_other_replicas_are_not_predicted_free_now():
     policy = AdmissionPolicy(AdmissionConfig())
     gate = policy.gate
     gate.seats = {"small": 16, "large": 8}
-    gate.set_limits(gate.max_inflight, gate.max_queued, {"small": 16})
+    gate.set_limits(gate.max_inflight, gate.max_queued, {"other": {"small": 16}})
     now = time.monotonic()
     small = Ticket("small", "interactive", 0, 10, 64, deadline=now + 60, ttft_deadline=now + 1.0)
     large = Ticket("large", "interactive", 0, 10, 64, deadline=now + 60, ttft_deadline=now + 1.0)
@@ -1183,7 +1183,7 @@ def test_a_flood_on_another_ingress_replica_still_crowds_a_model():
     policy = AdmissionPolicy(AdmissionConfig())
     gate = policy.gate
     gate.seats = {"small": 16, "large": 8}
-    gate.set_limits(gate.max_inflight, gate.max_queued, {"small": 8})
+    gate.set_limits(gate.max_inflight, gate.max_queued, {"other": {"small": 8}})
     choice = ModelChoice(gate, "large", "small")
     b_small, b_large = Ticket("small", "standard", 0, 10, 16, tenant="B"), Ticket("large", "standard", 0, 10, 16, tenant="B")
     gate.seen(b_small)
@@ -1203,7 +1203,7 @@ def test_past_the_knee_a_tenants_first_request_starts_beside_another_tenants_flo
     def gate_beside_flood(flood_elsewhere: bool) -> AdmissionGate:
         gate = AdmissionGate(16, 8, 1, ServiceEstimates(60.0, 0.5), safety=1.1, tenant_share=0.75)
         gate.seats = {"m": 16}
-        gate.others_inflight = {"m": 10}
+        gate.synced_others = {"other": {"m": 10}}
         gate.shares.ingress_share = 0.5
         if flood_elsewhere:
             gate.shares.elsewhere = frozenset({"A"})

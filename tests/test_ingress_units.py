@@ -58,9 +58,9 @@ def test_idle_overlap_starts_the_model_beside_the_lookup_only_while_nothing_runs
         args.ingress.overlap_cache_lookup = mode
         pipeline = Pipeline(args, backends=None, prompts={})
         assert pipeline.placement.overlap_lookup() is idle_answer, mode
-        pipeline.gate.others_inflight = {target: 1}  # another ingress's request, as last synced
+        pipeline.gate.synced_others = {"other": {target: 1}}  # another ingress's request, as last synced
         assert pipeline.placement.overlap_lookup() is (mode is True), mode
-        pipeline.gate.others_inflight = {}
+        pipeline.gate.synced_others = {}
         pipeline.placement.load.started(target)  # this ingress's own, before the gate's sync saw it
         assert pipeline.placement.overlap_lookup() is (mode is True), mode
 

@@ -1,5 +1,6 @@
-"""Ingress replicas on one node see each other's prompts in prefill (admission/prefill_board.py):
-two gates, each with its own board on one shared directory, as two ingress processes have."""
+"""Ingress replicas on one node see what the others run now, and which of it is in prefill
+(admission/node_board.py): two gates, each with its own board on one shared directory, as two
+ingress processes have."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import pytest
 
 from admission.estimates import ServiceEstimates
 from admission.gate import AdmissionGate, Ticket
-from admission.prefill_board import PrefillBoard
+from admission.node_board import Listed, NodeBoard
 
 
 def _gates(directory, now: list[float], shared_cores: bool = False) -> tuple[AdmissionGate, AdmissionGate]:
     gates = []
-    for _ in range(2):
+    for name in ("a", "b"):
         # 2 ms a prompt token, 10 ms a decode step; no decode safety
         gate = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 2.0), safety=1.0, clock=lambda: now[0])
-        gate.board = PrefillBoard(str(directory), clock=lambda: now[0], memo_s=0.0)
+        gate.board = NodeBoard(str(directory), clock=lambda: now[0], memo_s=0.0, replica_id=name)
         gate.shared_cores = shared_cores
         gates.append(gate)
     return gates[0], gates[1]
@@ -103,19 +104,17 @@ def test_a_listed_prompt_counts_until_as_late_again_as_predicted_then_is_forgott
 
 def test_a_board_reads_only_the_others_and_a_dead_writers_file_is_removed(tmp_path):
     now = [1000.0]
-    mine = PrefillBoard(str(tmp_path), clock=lambda: now[0], memo_s=0.0)
-    mine.publish([Ticket("m", "t", 0, 10, 10, started_at=now[0], first_at=now[0] + 1)])
-    assert mine.others() == [], "its own prompts are the gate's running tickets already"
-    dead = tmp_path / "999999999-0.prefills"  # no such process
-    dead.write_text("[]")
-    old = time.time() - 3600
-    os.utime(dead, (old, old))
-    mine.others()
+    mine = NodeBoard(str(tmp_path), clock=lambda: now[0], memo_s=0.0, replica_id="mine")
+    mine.publish([Listed("m", now[0], now[0] + 1, now[0] + 2, now[0] + 3)])
+    assert mine.others() == [] and mine.view().running == {}, "its own are the gate's running tickets already"
+    dead = tmp_path / "999999999-0.running"  # no such process: killed without its shutdown
+    dead.write_text('{"replica": "dead", "running": [["m", 1000.0, 1001.0, 1002.0, 1003.0, true]]}')
+    assert "dead" not in mine.view().running, "a dead writer's requests count for nothing"
     assert not dead.exists()
-    other = PrefillBoard(str(tmp_path), clock=lambda: now[0], memo_s=0.0)
-    assert len(other.others()) == 1
+    other = NodeBoard(str(tmp_path), clock=lambda: now[0], memo_s=0.0)
+    assert len(other.others()) == 1 and other.view().running == {"mine": {"m": 1}}
     mine.close()
-    assert other.others() == [], "a replica that shuts down takes its prompts with it"
+    assert other.others() == [] and other.view().running == {}, "a replica that shuts down takes its requests with it"
 
 
 def test_a_request_queued_behind_another_replicas_prefill_starts_when_that_prefill_ends(tmp_path):
@@ -132,6 +131,7 @@ def test_a_request_queued_behind_another_replicas_prefill_starts_when_that_prefi
         running = Ticket("m", "t", 0, 10, 10, arrived=now[0])
         running.started_at, running.first_at, running.finish_at = now[0], now[0] + 0.02, now[0] + 0.3
         running.deadline, running.prefilled = now[0] + 0.5, True
+        running.concurrency_at_start = 2  # beside A's request, which decodes on after its prefill
         b.running.add(running)
         waiting = Ticket("m", "t", 0, 10, 10, arrived=now[0], deadline=now[0] + 60, ttft_deadline=now[0] + 2)
         task = asyncio.create_task(b.acquire(waiting))
@@ -151,8 +151,68 @@ def test_health_says_how_many_prompts_the_other_replicas_have_in_prefill(tmp_pat
 
     policy = AdmissionPolicy(AdmissionConfig())
     assert policy.snapshot()["others_prefilling"] is None, "no board: nothing shared to count"
-    policy.gate.board = PrefillBoard(str(tmp_path), memo_s=0.0)
-    other = PrefillBoard(str(tmp_path), memo_s=0.0)
+    policy.gate.board = NodeBoard(str(tmp_path), memo_s=0.0)
+    other = NodeBoard(str(tmp_path), memo_s=0.0)
     now = time.monotonic()
-    other.publish([Ticket("m", "t", 0, 10, 10, started_at=now, first_at=now + 5)])
+    other.publish([Listed("m", now, now + 5, now + 6, now + 7)])
     assert policy.snapshot()["others_prefilling"] == 1
+
+
+def test_the_other_replicas_running_requests_count_as_they_are_now_not_as_last_synced(tmp_path):
+    """The controller's counts are up to two syncs old. B's view of A comes from the board, in
+    place of the controller's count for A: A's request that ended a moment ago no longer makes
+    the box busy for B (the idle box takes a request whose first token is predicted late), and
+    one A started since the last sync counts at once. A replica not on this node's board (another
+    node's) still counts as synced."""
+    now = [1000.0]
+    a, b = _gates(tmp_path, now)
+    b.set_limits(8, 8, {"a": {"m": 1}, "elsewhere": {}})  # A ran one request at the last sync
+    running = Ticket("m", "t", 0, 10, 10, arrived=now[0])
+    _started(a, running)
+    a.first_token(running)
+    assert b.concurrency() == 1 and b.others_inflight == {"m": 1}
+    a.release(running)
+    a.board.publish([a._listed(t) for t in a.running])  # written once A's loop is free (here: no loop)
+    assert b.concurrency() == 0, "A's request ended: the board says so before the next sync"
+    # its prefill alone takes 200 ms, its first token is due in 50
+    too_long = Ticket("m", "t", 0, 100, 10, arrived=now[0], deadline=now[0] + 60, ttft_deadline=now[0] + 0.05)
+    assert b.check(too_long) is None, "the box is idle: it takes it"
+    stale = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 2.0), safety=1.0, clock=lambda: now[0])
+    stale.set_limits(8, 8, {"a": {"m": 1}})
+    assert stale.concurrency() == 1, "by the controller's count alone the box is still busy"
+    assert stale.check(too_long) is not None, "and the same request is shed as late"
+    _started(a, Ticket("small", "t", 0, 10, 10, arrived=now[0]))
+    _started(a, Ticket("small", "t", 0, 10, 10, arrived=now[0]))
+    assert b.others_inflight == {"small": 2}, "A's two new requests, before any sync"
+    b.set_limits(8, 8, {"a": {}, "elsewhere": {"m": 3}})
+    assert b.others_inflight == {"small": 2, "m": 3}, "another node's replica counts as the controller synced it"
+
+
+def test_a_request_that_waits_for_room_on_the_box_is_predicted_to_start_when_another_replicas_request_ends(tmp_path):
+    """B has no request of its own running; A's request makes B's next one miss its per-token
+    target if both ran. B's prediction for it is to start when A's request is predicted to end,
+    not at once (its only own departures: none), so a request that can't wait that long is shed
+    at arrival instead of queued and dropped at its latest start."""
+    now = [1000.0]
+    a, b = _gates(tmp_path, now)
+    for gate in (a, b):
+        gate.estimates["m"].itl.add(1, 10.0)
+        gate.estimates["m"].itl.add(2, 300.0)  # two sequences together: 300 ms a token each
+    long_answer = Ticket("m", "t", 0, 10, 100, arrived=now[0])
+    _started(a, long_answer)  # alone: 10 ms a token, 100 tokens
+    a.first_token(long_answer)
+    a.board.publish([a._listed(t) for t in a.running])
+    ends_s = long_answer.finish_at - now[0]
+    paced = Ticket("m", "t", 0, 10, 10, arrived=now[0], deadline=now[0] + 60, tpot_ms=200)
+    assert b._not_now(paced, [], now[0]) == "per_token_target"
+    p = b.predicted(paced)
+    assert p.wait_ms == pytest.approx(ends_s * 1000, rel=0.01), "it starts when A's request ends"
+    hurried = Ticket("m", "t", 0, 10, 10, arrived=now[0], deadline=now[0] + 60, tpot_ms=200,
+                     ttft_deadline=now[0] + ends_s / 2)
+    rejection = b.check(hurried)
+    assert rejection is not None and rejection.reason == "deadline_unmeetable"
+    blind = AdmissionGate(8, 8, 1, ServiceEstimates(10.0, 2.0), safety=1.0, clock=lambda: now[0])
+    blind.estimates["m"].itl.add(1, 10.0)
+    blind.estimates["m"].itl.add(2, 300.0)
+    blind.set_limits(8, 8, {"a": {"m": 1}})
+    assert blind.check(hurried) is None, "with no departure to wait for, it was queued as if starting now"
