@@ -337,6 +337,9 @@ class Observation:
 
     model_id: str
     times: dict[str, Any]  # ModelEstimates.observe's keyword arguments
+    # The prompt's block keys (admission/prefix_memory.py): its model's engine holds them now, so
+    # the other ingress replicas price their prompts that share them by what is left to compute.
+    prefix_keys: tuple[int, ...] = ()
 
 
 class ServiceEstimates:

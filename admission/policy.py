@@ -157,7 +157,7 @@ class AdmissionPolicy:
             completion_tokens=completion_tokens, max_tokens=ticket.max_tokens, decode_ms=total_ms - ttft_ms,
             concurrency=concurrency, start_concurrency=ticket.concurrency_at_start, chunks=chunks, cut_short=cut_short,
             behind_step=ticket.behind_step, longest_step_ms=self._longest_step_ms(ticket) if ticket.behind_step else None,
-        ))
+        ), tuple(ticket.prefix_keys))
         self.estimates.learn(observation)
         self.outbox.append(observation)
 
@@ -169,9 +169,13 @@ class AdmissionPolicy:
 
     def learn_from_others(self, observations: Iterable[Observation]) -> None:
         """The other ingress replicas' completions: the models' speeds they saw, learned here as
-        this replica's own are (the same models, concurrency counted the same way: every replica's)."""
+        this replica's own are (the same models, concurrency counted the same way: every replica's),
+        and the prompts they sent, which the models' prefix caches now hold: known only where
+        they were sent, the other replicas' shared system prompts were priced in full here."""
         for observation in observations:
             self.estimates.learn(observation)
+            if observation.prefix_keys:
+                self.prefixes.remember(observation.model_id, list(observation.prefix_keys))
 
     def _longest_step_ms(self, ticket: Ticket) -> float:
         """The longest step a prompt started beside running requests could wait for: its own

@@ -1069,6 +1069,30 @@ def test_a_prompt_whose_prefix_its_model_holds_is_priced_by_the_tokens_left_to_c
     assert est.prefill_ms_per_token.at(1, 0.5) == pytest.approx(1.0)  # 40 ms over the 40 tokens computed
 
 
+def test_a_prefix_another_ingress_replica_sent_is_priced_as_held_once_its_completion_is_relayed():
+    """Two ingress replicas feed the same engines: a system prompt that went to the model through
+    A is in that model's prefix cache for B's requests too. B learns it with A's completions,
+    which the controller relays (admission/sync.py), and prices its next prompt that shares it
+    by the tokens left to compute."""
+    from admission.policy import AdmissionPolicy
+    from admission.request import RequestContext
+    from configs.schemas import AdmissionConfig
+
+    a, b = AdmissionPolicy(AdmissionConfig()), AdmissionPolicy(AdmissionConfig())
+    tier = a.config.tiers["standard"]
+    system = list(range(1000, 1400))
+    sent = a.ticket("m", RequestContext("r1", "t", "standard", None), tier, system + [7, 8, 9], 16)
+    a.prefixes.remember("m", sent.prefix_keys)  # what admit does once it starts
+    a.observe(sent, ttft_ms=400.0, queue_ms=0.0, prefill_ms=380.0, completion_tokens=16, total_ms=900.0)
+    ctx = RequestContext("r2", "t", "standard", None)
+    assert b.ticket("m", ctx, tier, system + [5, 6], 16).cached_tokens == 0
+    b.learn_from_others(a.take_observations())
+    later = b.ticket("m", ctx, tier, system + [5, 6], 16)
+    assert later.cached_tokens == 400 and later.prefill_tokens == 2
+    assert b.ticket("m", RequestContext("r3", "u", "standard", None), tier, system, 16).cached_tokens == 0, \
+        "never another tenant's"
+
+
 def test_prefix_memory_forgets_the_least_recent_blocks_past_its_bound():
     from admission.prefix_memory import PrefixMemory
 
