@@ -38,7 +38,7 @@ from collections import Counter
 from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
 from admission.occupancy import Occupancy
-from admission.node_board import Listed, NodeBoard
+from admission.node_board import Listed, NodeBoard, View
 from admission.running import expected_end, finish_estimate, longest_end, prefills_ahead_ms
 from admission.ticket import Prediction, Rejection, Ticket
 from admission.ttft_calibration import TtftCalibration
@@ -124,21 +124,11 @@ class AdmissionGate:
     def others_inflight(self) -> dict[str, int]:
         """The other ingress replicas' running requests by model: those on this node's board as
         they are now, the rest as the controller last synced them (up to two syncs old)."""
-        fresh = {} if self.board is None else self.board.view().running
-        synced = [counts for replica, counts in self.synced_others.items() if replica not in fresh]
-        out: dict[str, int] = {}
-        for counts in [*synced, *fresh.values()]:
-            for model, n in counts.items():
-                out[model] = out.get(model, 0) + n
-        return out
+        return (View() if self.board is None else self.board.view()).by_model(self.synced_others)
 
     def model_idle(self, model_id: str) -> bool:
         """Nothing runs on `model_id`, here or on the other ingress replicas."""
         return self.running_on(model_id) == 0
-
-    def _others_prefilling(self) -> list:
-        """The other ingress replicas' prompts in prefill on this node, now (not yet in a sync)."""
-        return [] if self.board is None else self.board.others()
 
     def _waiting_tenants(self) -> set[str]:
         return self.queue.tenants()
@@ -206,7 +196,7 @@ class AdmissionGate:
         """The wait for the prompts still in prefill ahead of a new one on `model_id` (on any
         model, where the models share the cores), this gate's and the other ingress replicas'
         on the node: admission/running.py."""
-        ahead = [*self.running, *self._others_prefilling()]
+        ahead = [*self.running, *(self.board.others() if self.board is not None else [])]
         return prefills_ahead_ms(ahead, now, None if self.shared_cores else model_id)
 
     def _publish(self) -> None:
@@ -216,8 +206,7 @@ class AdmissionGate:
             self.board.publish_soon(lambda: [self._listed(t) for t in self.running])
 
     def _listed(self, t: Ticket) -> Listed:
-        return Listed(t.model_id, t.started_at, t.first_at, t.finish_at, longest_end(t, self.estimates[t.model_id]),
-                      t.prefilled)
+        return Listed(t.model_id, t.started_at, t.first_at, t.finish_at, longest_end(t, self.estimates[t.model_id]), t.prefilled)
 
     def first_token(self, t: Ticket) -> None:
         """The ticket's first token arrived: how long it took against the prediction calibrates

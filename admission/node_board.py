@@ -10,8 +10,8 @@ replica's last request ended was priced as if that one still ran (a busy box, no
 and a prompt admitted beside another ingress's long prefill was predicted to start at once.
 
 Here every gate writes its running requests (model, start, predicted first token and finish,
-whether the first token came) to a file of its own in a per-user directory in /dev/shm, replaced whole at
-each change: a start, a first token, a release. It reads the other files when it predicts,
+whether the first token came) to a file of its own in a per-user directory in /dev/shm,
+replaced whole at each change: a start, a first token, a release. It reads the other files when it predicts,
 in-process: no hop, a read of a few small files. Each file names its writer's replica, so the
 gate takes these counts in place of the controller's for the replicas on this node, and the
 controller's for the others. Times are `time.monotonic()`, one clock for every process on the
@@ -64,6 +64,15 @@ class View:
     requests: list[Listed] = field(default_factory=list)
     prefilling: list[Listed] = field(default_factory=list)
     running: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def by_model(self, synced: dict[str, dict[str, int]]) -> dict[str, int]:
+        """The other replicas' running requests by model: those on this board as they are now, in
+        place of the controller's `synced` counts (by replica id), and the rest as synced."""
+        out: dict[str, int] = {}
+        for counts in [*(c for r, c in synced.items() if r not in self.running), *self.running.values()]:
+            for model, n in counts.items():
+                out[model] = out.get(model, 0) + n
+        return out
 
 
 @dataclass
