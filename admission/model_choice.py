@@ -10,18 +10,18 @@ in the order they apply:
     load_upgrade        the threshold moved by each model's live load sends to the other model
                         (`by_load`; before admission, in FIFO mode too)
     busy_box_downgrade  on a small box whose models share the cores (host tuning on): with
-                        `busy_from` requests running and a free seat on the small model, it
-                        joins the small model's running streams, or, with none running there,
-                        goes small if predicted to finish no later
+                        `busy_from` requests running, the small model has a free seat and is
+                        predicted to finish the request no later than the large one, which
+                        would wait for the small model's running streams' steps
     deadline_downgrade  the large model would shed it, or miss or cut close its deadlines, and
                         the small one would take it in time (tiers with `downgrade` only)
     deadline_upgrade    the small model can't start it in time and the large one can
     tenant_crowded      other tenants hold half or more of the chosen model's seats and the other
                         model is idle (fair share: admission/fair_share.py)
 
-A deadline move down happens only where staying would miss. The busy-box move serves a busy
-box from one model: beside the small model's streams a request on the large one would slow
-them and be slowed by them, by more than the learned speeds predict (docs/small-cpu-tuning.md).
+A move down never makes a request slower than staying where the large model still makes its
+deadlines: the busy-box move needs the small model's predicted finish at or before the large
+one's, and a deadline move happens only where staying would miss.
 """
 
 from __future__ import annotations
@@ -93,17 +93,25 @@ class ModelChoice:
     # ------------------------------------------------------------------ rules
 
     def _small_sooner_on_busy_box(self, large: Ticket, small: Ticket) -> bool:
-        """On a busy box the small model serves. While streams run on it, the request joins them:
-        on the large model each of its steps would wait for one of theirs and each of theirs for
-        one of its (the engines take turns for the shared cores, host_tuning/cores.py), waits the
-        ITL learned by the box's concurrency holds only in the mix of models it was observed at.
-        While none do, it goes small if the small model is predicted to finish it no later."""
         gate = self.gate
         if self.busy_from is None or gate.concurrency() < self.busy_from or not gate.seat_free(small.model_id):
             return False
-        if gate.running_on(small.model_id) > 0:
-            return True
-        return gate.predicted(small).e2e_ms <= gate.predicted(large).e2e_ms
+        return gate.predicted(small).e2e_ms <= self._large_finish_beside_small(large, small.model_id)
+
+    def _large_finish_beside_small(self, large: Ticket, small: str) -> float:
+        """The large model's predicted finish (ms), each of its steps waiting for a step of the
+        streams running on the small model: the engines take turns for the shared cores
+        (host_tuning/cores.py), and on a busy box the small model's streams last (new requests
+        go there) while the large model's drain. The ITL learned by the box's concurrency holds
+        that wait only in the mix of models it was observed at; a request sent to the large model
+        beside them pays it at every step."""
+        gate = self.gate
+        predicted = gate.predicted(large).e2e_ms
+        beside = gate.running_on(small)
+        if beside == 0:
+            return predicted
+        rounds = gate.estimates[large.model_id].expected_rounds(large.max_tokens, gate.concurrency() + 1)
+        return predicted + rounds * gate.estimates[small].engine_step_ms(beside)
 
     def _deadline_move(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:
         """Up to the large model when the small one can't start it now in time (it would queue
