@@ -11,8 +11,8 @@ and a prompt admitted beside another ingress's long prefill was predicted to sta
 
 Here every gate writes its running requests (model, start, predicted first token and finish,
 whether the first token came) to a file of its own in a per-user directory in /dev/shm,
-replaced whole at each change: a start, a first token, a release. It reads the other files when it predicts,
-in-process: no hop, a read of a few small files. Each file names its writer's replica, so the
+replaced whole at each change: a start, a first token, a release. It reads the other files
+when it predicts, in-process: no hop, a read of a few small files. Each file names its writer's replica, so the
 gate takes these counts in place of the controller's for the replicas on this node, and the
 controller's for the others. Times are `time.monotonic()`, one clock for every process on the
 node. A prompt still listed in prefill past its predicted first token is counted as the gate

@@ -170,8 +170,8 @@ class AdmissionPolicy:
     def learn_from_others(self, observations: Iterable[Observation]) -> None:
         """The other ingress replicas' completions: the models' speeds they saw, learned here as
         this replica's own are (the same models, concurrency counted the same way: every replica's),
-        and the prompts they sent, which the models' prefix caches now hold: known only where
-        they were sent, the other replicas' shared system prompts were priced in full here."""
+        and the prompts they sent, which the models' prefix caches now hold: a system prompt that
+        reached the engines through another replica is priced here as held, not in full."""
         for observation in observations:
             self.estimates.learn(observation)
             if observation.prefix_keys:
