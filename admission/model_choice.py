@@ -8,7 +8,8 @@ in the order they apply:
 
     load_downgrade      a borderline request (its difficulty near the router's threshold) that
     load_upgrade        the threshold moved by each model's live load sends to the other model
-                        (`by_load`; before admission, in FIFO mode too)
+                        (`by_load`; before admission, in FIFO mode too); never up on a box
+                        whose models share the cores
     busy_box_downgrade  on a small box whose models share the cores (host tuning on): with
                         `busy_from` requests running, the small model has a free seat and is
                         predicted to finish the request no later than the large one, which
@@ -77,11 +78,14 @@ class ModelChoice:
         """The router's difficulty verdict against its threshold moved by live load (router/load.py:
         a busy large model raises it, a busy small one lowers it, within `bounds`): (model,
         `load_downgrade` or `load_upgrade`, the moved threshold) where that flips the verdict, else
-        None. Clear-cut requests never move."""
+        None. Clear-cut requests never move. Where the models share the cores (busy-box moves
+        on), a busy small model sends nothing up: the large model's free seats are no free
+        cores there, and its steps would wait for the small model's streams' at every token,
+        so the request would decode slower than where the router sent it."""
         low, high = bounds
         moved = min(high, max(low, threshold + shift))
         large_now = p_hard >= moved
-        if large_now == (model_id == self.large):
+        if large_now == (model_id == self.large) or (large_now and self.busy_from is not None):
             return None
         return (self.large, "load_upgrade", moved) if large_now else (self.small, "load_downgrade", moved)
 

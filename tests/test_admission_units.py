@@ -1024,6 +1024,11 @@ def test_live_load_moves_only_a_borderline_verdict_and_only_as_far_as_the_bounds
     assert choice.by_load("large", 0.95, 0.5, 1.0, bounds) is None  # clear-cut: past max_threshold
     assert choice.by_load("small", 0.4, 0.5, -0.2, bounds) == ("large", "load_upgrade", pytest.approx(0.3))
     assert choice.by_load("small", 0.05, 0.5, -1.0, bounds) is None  # clear-cut easy: under min_threshold
+    # Models sharing the cores: the large model's free seats are no free cores, so a busy small
+    # model sends nothing up; a busy large one still sends borderline requests down.
+    shared = ModelChoice(AdmissionPolicy(AdmissionConfig()).gate, "large", "small", busy_from=1)
+    assert shared.by_load("small", 0.4, 0.5, -0.2, bounds) is None
+    assert shared.by_load("large", 0.6, 0.5, 0.25, bounds) == ("small", "load_downgrade", 0.75)
 
 
 def test_ledger_shares_limits_among_live_replicas():
