@@ -78,10 +78,12 @@ class ModelChoice:
         """The router's difficulty verdict against its threshold moved by live load (router/load.py:
         a busy large model raises it, a busy small one lowers it, within `bounds`): (model,
         `load_downgrade` or `load_upgrade`, the moved threshold) where that flips the verdict, else
-        None. Clear-cut requests never move. Where the models share the cores (busy-box moves
-        on), a busy small model sends nothing up: the large model's free seats are no free
-        cores there, and its steps would wait for the small model's streams' at every token,
-        so the request would decode slower than where the router sent it."""
+        None. Clear-cut requests never move. Where the models take turns for every core (busy-box
+        moves on), a busy small model sends nothing up: the large model's free seats are no free
+        cores there, and its steps would wait for the small model's streams' at every token, so
+        the request would decode slower than where the router sent it. Profiles with the
+        busy-box moves off (the small model on one thread beside an engine outside the pass
+        lock) keep both directions."""
         low, high = bounds
         moved = min(high, max(low, threshold + shift))
         large_now = p_hard >= moved
