@@ -20,6 +20,7 @@ BATCH_COST = 0.5  # share of a step's cost each extra sequence adds, where not o
 MAX_AGE_S = 30.0  # a concurrency level not observed for this long starts to fade (see ByConcurrency)
 STALE_HALF_LIFE_S = 90.0  # ... halving its (log) distance from the extrapolation this often
 LIGHT_CONCURRENCY = 2  # prefills started with at most this many in flight price a pass's fixed part
+PREFILL_LEVEL_MIN_TOKENS = 32  # computed prompt tokens a level's prefill cost starts from (ByConcurrency)
 
 
 def _bucket(concurrency: float) -> int:
@@ -72,6 +73,12 @@ class ByConcurrency:
     concurrency its samples were taken at (`where`), not at the number: at a steady load of 10
     the "8" level holds the cost of 10, and read as the cost of 8 it priced a load of 8 as slow
     as one of 10.
+
+    A level starts (or, gone stale, starts over) once its samples weigh `min_weight` between
+    them, from their weighted mean; until then the level is priced as before. Started by one
+    sample, a level is that sample: a prompt whose prefix the engine held, a token or two
+    computed in a pass that waited behind another engine's, set a level's prefill at hundreds
+    of ms a token, and every prompt after it at that load was predicted a minute long and shed.
     """
 
     levels: dict[int, Ewma] = field(default_factory=dict)
@@ -81,6 +88,10 @@ class ByConcurrency:
     half_life_s: float = STALE_HALF_LIFE_S
     clock: Callable[[], float] = time.monotonic
     shape: list[tuple[int, float]] = field(default_factory=list)  # measured cost by level, ascending
+    min_weight: float = 0.0
+    # Per level not (freshly) started: its samples so far, (when the first came, sum of weight x
+    # value, of weight, of weight x concurrency, count).
+    pending: dict[int, tuple[float, float, float, float, int]] = field(default_factory=dict)
 
     def seed(self, by_level: dict[int, float]) -> None:
         """The cost by concurrency level as measured once (a batched step of n sequences): the
@@ -88,12 +99,23 @@ class ByConcurrency:
         self.shape = sorted((int(b), float(v)) for b, v in by_level.items() if v > 0)
 
     def add(self, concurrency: float, value: float, weight: float = 1.0) -> None:
-        level, now = _bucket(concurrency), self.clock()
-        if level not in self.levels or now - self.updated.get(level, now) > self.max_age_s:
-            # a forgotten level starts over from what it measures now
-            self.levels[level], self.where[level] = Ewma(0.2), Ewma(0.2)
-        self.levels[level].add(value, weight)
-        self.where.setdefault(level, Ewma(0.2)).add(max(1.0, concurrency), weight)
+        level, now, at = _bucket(concurrency), self.clock(), max(1.0, concurrency)
+        if level in self.levels and now - self.updated.get(level, now) <= self.max_age_s:
+            self.levels[level].add(value, weight)
+            self.where.setdefault(level, Ewma(0.2)).add(at, weight)
+            self.updated[level] = now
+            return
+        # A new level, or a forgotten one, starts over from what it measures now.
+        first, wx, w, wc, n = self.pending.get(level, (now, 0.0, 0.0, 0.0, 0))
+        if now - first > self.max_age_s:
+            first, wx, w, wc, n = now, 0.0, 0.0, 0.0, 0
+        wx, w, wc, n = wx + weight * value, w + weight, wc + weight * at, n + 1
+        if w < self.min_weight or w <= 0:
+            self.pending[level] = (first, wx, w, wc, n)
+            return
+        self.pending.pop(level, None)
+        self.levels[level] = Ewma(0.2, wx / w, n, w / n)
+        self.where[level] = Ewma(0.2, wc / w, n, w / n)
         self.updated[level] = now
 
     def _at(self, level: int) -> float:
@@ -229,6 +251,7 @@ class ModelEstimates:
     def __post_init__(self) -> None:
         for by in self.prefill_ms_per_token, self.itl, self.step, self.prompt_wait:
             by.max_age_s, by.half_life_s = self.max_age_s, self.half_life_s
+        self.prefill_ms_per_token.min_weight = PREFILL_LEVEL_MIN_TOKENS
 
     def observe(self, *, prompt_tokens: int, prefill_ms: float | None, ttft_ms: float, queue_ms: float,
                 completion_tokens: int, max_tokens: int, decode_ms: float, concurrency: float,

@@ -124,6 +124,27 @@ def _done(est, concurrency: int, itl_ms: float) -> None:
                 max_tokens=20, decode_ms=itl_ms * 10, concurrency=concurrency)
 
 
+def test_a_prompt_of_a_few_computed_tokens_does_not_set_a_new_levels_prefill_cost():
+    """A prompt its engine held but a token of, in a pass that waited behind another engine's,
+    was the first prefill seen with eight in flight: alone it set that level at 300 ms a token,
+    and a 400-token prompt at that load was predicted two minutes long (a standard request's
+    60 s deadline: shed). A level starts from 32 computed tokens' worth of samples."""
+    now = [1000.0]
+    _, est = _clocked_estimates(now)
+    for _ in range(3):
+        est.observe(prompt_tokens=200, prefill_ms=100.0, ttft_ms=110.0, queue_ms=0.0, completion_tokens=2,
+                    max_tokens=16, decode_ms=20.0, concurrency=1, start_concurrency=1)
+    assert est.prefill_ms(400, 8) < 1_000
+    est.observe(prompt_tokens=1, prefill_ms=300.0, ttft_ms=310.0, queue_ms=0.0, completion_tokens=2,
+                max_tokens=16, decode_ms=20.0, concurrency=8, start_concurrency=8)
+    assert est.prefill_ms(400, 8) < 1_000, "one token's pass is not the level"
+    for _ in range(2):  # 40 tokens at 2 ms each: now the level is measured
+        est.observe(prompt_tokens=20, prefill_ms=40.0, ttft_ms=50.0, queue_ms=0.0, completion_tokens=2,
+                    max_tokens=16, decode_ms=20.0, concurrency=8, start_concurrency=8)
+    per_token_at_8 = est.prefill_ms_per_token.at(8, 0.1)
+    assert 2.0 < per_token_at_8 < 10.0, per_token_at_8  # the 40 tokens, and the one token by its weight
+
+
 def test_a_level_priced_high_by_one_bad_spell_fades_so_admission_reopens():
     """The chaos-suite wedge: a restart beside the models made two-at-a-time look hopeless, so
     the gate ran one request at a time and never measured two again. Once level 2's samples
