@@ -316,8 +316,8 @@ def test_an_auto_request_the_idle_large_model_would_take_late_goes_to_the_small_
     builder = PromptBuilder(tokenizer)
     large, small = args.target.engine.model_id, args.draft.engine.model_id
     pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
-    pipeline.admission.estimates[large].prefill_ms_per_token.add(1, 20.0)  # a long prompt: > 1 s to its first token
-    pipeline.admission.estimates[small].prefill_ms_per_token.add(1, 0.5)
+    pipeline.admission.estimates[large].prefill_ms_per_token.add(1, 20.0, weight=64)  # a long prompt: > 1 s to its first token
+    pipeline.admission.estimates[small].prefill_ms_per_token.add(1, 0.5, weight=64)
 
     async def admit(model: str) -> tuple[str, str, bool]:
         ctx = context_from_headers({"x-slo-tier": "interactive"})  # TTFT 1 s, downgrade allowed
@@ -351,9 +351,9 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     builder = PromptBuilder(tokenizer)
     large, small = args.target.engine.model_id, args.draft.engine.model_id
     pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
-    pipeline.admission.estimates[small].prefill_ms_per_token.add(1, 50.0)  # seconds to its first token
+    pipeline.admission.estimates[small].prefill_ms_per_token.add(1, 50.0, weight=64)  # seconds to its first token
     pipeline.admission.estimates[small].itl.add(1, 10.0)  # measured: no "try it and learn" pass
-    pipeline.admission.estimates[large].prefill_ms_per_token.add(1, 0.5)
+    pipeline.admission.estimates[large].prefill_ms_per_token.add(1, 0.5, weight=64)
     pipeline.gate.running.add(Ticket("elsewhere", "batch", 1, 10, 10))  # a busy box: no idle-box pass
 
     async def admit(model: str):
@@ -384,7 +384,7 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     p = pipeline.preparer.tokenize(p)
     per_token = 750.0 / pipeline.gate.safety / len(p.prompt_ids)
     for level in (1, 2):
-        pipeline.admission.estimates[large].prefill_ms_per_token.add(level, per_token)
+        pipeline.admission.estimates[large].prefill_ms_per_token.add(level, per_token, weight=64)
     ticket = pipeline.admission.ticket(large, ctx, pipeline.admission.tier(ctx), p.prompt_ids, 16)
     assert pipeline.gate.would_meet(ticket) and not pipeline.gate.in_time(ticket, 1.5)
     with pytest.raises(AdmissionError) as shed:
@@ -410,7 +410,7 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
         large, small = args.target.engine.model_id, args.draft.engine.model_id
         pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
         for model in (large, small):  # both in time: no deadline move either way
-            pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0)
+            pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0, weight=64)
             pipeline.admission.estimates[model].itl.add(1, 20.0)
         return pipeline
 
@@ -503,7 +503,7 @@ def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats
     large, small = args.target.engine.model_id, args.draft.engine.model_id
     pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
     for model in (large, small):
-        pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0)
+        pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0, weight=64)
         pipeline.admission.estimates[model].itl.add(1, 20.0)
     pipeline.gate.seats = {small: 1, large: 4}
     pipeline.gate.running.add(Ticket(small, "standard", 0, 10, 10))  # the small model's one seat
