@@ -77,8 +77,9 @@ class ByConcurrency:
     A level starts (or, gone stale, starts over) once its samples weigh `min_weight` between
     them, from their weighted mean; until then the level is priced as before. Started by one
     sample, a level is that sample: a prompt whose prefix the engine held, a token or two
-    computed in a pass that waited behind another engine's, set a level's prefill at hundreds
-    of ms a token, and every prompt after it at that load was predicted a minute long and shed.
+    computed in a pass that waited behind another engine's, priced a level's prefill per token
+    at that whole pass, and every prompt after it at that load was predicted past a standard
+    request's deadline and shed.
     """
 
     levels: dict[int, Ewma] = field(default_factory=dict)
