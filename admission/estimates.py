@@ -75,7 +75,8 @@ class ByConcurrency:
     as one of 10.
 
     A level starts (or, gone stale, starts over) once its samples weigh `min_weight` between
-    them, from their weighted mean; until then the level is priced as before. Started by one
+    them, from their weighted mean; until then its load is priced from the other levels (a
+    stale level goes on fading toward them). Started by one
     sample, a level is that sample: a prompt whose prefix the engine held, a token or two
     computed in a pass that waited behind another engine's, priced a level's prefill per token
     at that whole pass, and every prompt after it at that load was predicted past a standard
@@ -89,7 +90,7 @@ class ByConcurrency:
     half_life_s: float = STALE_HALF_LIFE_S
     clock: Callable[[], float] = time.monotonic
     shape: list[tuple[int, float]] = field(default_factory=list)  # measured cost by level, ascending
-    min_weight: float = 0.0
+    min_weight: float = 0.0  # a level's samples' weight before it starts (0: its first sample)
     # Per level not (freshly) started: its samples so far, (when the first came, sum of weight x
     # value, of weight, of weight x concurrency, count).
     pending: dict[int, tuple[float, float, float, float, int]] = field(default_factory=dict)
