@@ -86,6 +86,10 @@ class AdmissionGate:
         # The other ingress replicas' requests on this node, now (admission/node_board.py);
         # None: this gate sees only its own, and the others' as synced.
         self.board: NodeBoard | None = None
+        # Requests past their first checks and not yet placed on a model (waiting for the
+        # router's verdict or the cache's answer): they run next, beside whatever a request
+        # placed now runs beside.
+        self.arriving = 0
         self.queue = WaitQueue(self.shares)
         self.admitted = 0
         self.rejected: dict[str, int] = {}
@@ -136,6 +140,21 @@ class AdmissionGate:
     def concurrency(self) -> int:
         """Requests running on the box, every model's (see the module docstring)."""
         return len(self.running) + sum(self.others_inflight.values())
+
+    def arrive(self) -> None:
+        """A request past its first checks, about to be placed on a model."""
+        self.arriving += 1
+        self._publish()
+
+    def placed(self) -> None:
+        """A request `arrive` counted is placed on a model, served from the cache, or gone."""
+        self.arriving = max(0, self.arriving - 1)
+        self._publish()
+
+    def arriving_on_box(self) -> int:
+        """Requests about to be placed on a model, here and on the other ingress replicas on the
+        node (those elsewhere are not known until they run)."""
+        return self.arriving + (self.board.view().arriving if self.board is not None else 0)
 
     def seat_free(self, model_id: str) -> bool:
         seats = self.seats.get(model_id)
@@ -200,10 +219,10 @@ class AdmissionGate:
         return prefills_ahead_ms(ahead, now, None if self.shared_cores else model_id)
 
     def _publish(self) -> None:
-        """Tell the other ingress replicas on the node what this one runs, and which prompts of
-        it are in prefill."""
+        """Tell the other ingress replicas on the node what this one runs, which prompts of it
+        are in prefill, and how many requests it is about to place."""
         if self.board is not None:
-            self.board.publish_soon(lambda: [self._listed(t) for t in self.running])
+            self.board.publish_soon(lambda: ([self._listed(t) for t in self.running], self.arriving))
 
     def _listed(self, t: Ticket) -> Listed:
         return Listed(t.model_id, t.started_at, t.first_at, t.finish_at, longest_end(t, self.estimates[t.model_id]), t.prefilled)

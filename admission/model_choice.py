@@ -11,9 +11,10 @@ in the order they apply:
                         (`by_load`; before admission, in FIFO mode too); never up on a box
                         whose models share the cores
     busy_box_downgrade  on a small box whose models share the cores (host tuning on): with
-                        `busy_from` requests running, the small model has a free seat and is
-                        predicted to finish the request no later than the large one, which
-                        would wait for the small model's running streams' steps
+                        `busy_from` requests running or about to (arrived with it, waiting for
+                        their verdicts), the small model has a free seat and is predicted to
+                        finish the request no later than the large one, which would wait for
+                        the small model's running streams' steps
     deadline_downgrade  the large model would shed it, or miss or cut close its deadlines, and
                         the small one would take it in time (tiers with `downgrade` only)
     deadline_upgrade    the small model can't start it in time and the large one can
@@ -100,7 +101,13 @@ class ModelChoice:
 
     def _small_sooner_on_busy_box(self, large: Ticket, small: Ticket) -> bool:
         gate = self.gate
-        if self.busy_from is None or gate.concurrency() < self.busy_from or not gate.seat_free(small.model_id):
+        if self.busy_from is None or not gate.seat_free(small.model_id):
+            return False
+        # Requests that arrived with this one run beside it as surely as those running: on an
+        # idle box a burst's first verdict would otherwise send a hard request to the large
+        # model, and the rest of the burst, moved to the small one, would decode beside it.
+        running = gate.concurrency()
+        if running < self.busy_from and running + gate.arriving_on_box() < self.busy_from:
             return False
         return gate.predicted(small).e2e_ms <= self._large_finish_beside_small(large, small.model_id)
 

@@ -10,11 +10,13 @@ replica's last request ended was priced as if that one still ran (a busy box, no
 and a prompt admitted beside another ingress's long prefill was predicted to start at once.
 
 Here every gate writes its running requests (model, start, predicted first token and finish,
-whether the first token came) to a file of its own in a per-user directory in /dev/shm,
-replaced whole at each change: a start, a first token, a release. It reads the other files
-when it predicts, in-process: no hop, a read of a few small files. Each file names its writer's replica, so the
-gate takes these counts in place of the controller's for the replicas on this node, and the
-controller's for the others. Times are `time.monotonic()`, one clock for every process on the
+whether the first token came), and how many requests it holds that are about to run (past
+their first checks, waiting for the router's verdict; counted where the busy-box move is on),
+to a file of its own in a per-user directory in /dev/shm, replaced whole at each change: an
+arrival, its placing, a start, a first token, a release. It reads the other files when it
+predicts, in-process: no hop, a read of a few small files. Each file names its writer's
+replica, so the gate takes these counts in place of the controller's for the replicas on this
+node, and the controller's for the others. Times are `time.monotonic()`, one clock for every process on the
 node. A prompt still listed in prefill past its predicted first token is counted as the gate
 counts its own (admission/running.py), and forgotten once it is as late again as it was
 predicted to take. A file whose writer's process is gone counts for nothing and is removed.
@@ -23,6 +25,7 @@ predicted to take. A file whose writer's process is gone counts for nothing and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -64,6 +67,7 @@ class View:
     requests: list[Listed] = field(default_factory=list)
     prefilling: list[Listed] = field(default_factory=list)
     running: dict[str, dict[str, int]] = field(default_factory=dict)
+    arriving: int = 0  # requests the other replicas hold that are about to run, not yet placed
 
     def by_model(self, synced: dict[str, dict[str, int]]) -> dict[str, int]:
         """The other replicas' running requests by model: those on this board as they are now, in
@@ -80,6 +84,7 @@ class _File:
     version: tuple[int, int]  # (inode, mtime): a write replaces the file
     replica: str
     running: list[Listed]
+    arriving: int = 0
     alive_at: float = 0.0  # when its writer was last seen alive (time.monotonic)
 
 
@@ -101,13 +106,13 @@ class NodeBoard:
         self._due = False  # a write is scheduled
         self._watch: asyncio.Task[None] | None = None
 
-    def publish(self, running: Iterable[Listed]) -> None:
-        """This gate's running requests now."""
+    def publish(self, running: Iterable[Listed], arriving: int = 0) -> None:
+        """This gate's running requests now, and its requests about to run."""
         rows = [[r.model_id, r.started_at, r.first_at, r.finish_at, r.longest, r.prefilled] for r in running]
         tmp = self._path + ".tmp"
         try:
             with open(tmp, "w") as f:
-                json.dump({"replica": self.replica_id, "running": rows}, f)
+                json.dump({"replica": self.replica_id, "running": rows, "arriving": arriving}, f)
             os.replace(tmp, self._path)
         except OSError as exc:
             if not self.failed:
@@ -116,8 +121,8 @@ class NodeBoard:
                 self.close()  # a file left as it was would say so for good
             self.failed = True
 
-    def publish_soon(self, running: Callable[[], Iterable[Listed]]) -> None:
-        """`publish(running())` once the event loop is free: not on the way of the model call or
+    def publish_soon(self, state: Callable[[], tuple[Iterable[Listed], int]]) -> None:
+        """`publish(*state())` once the event loop is free: not on the way of the model call or
         of the token it follows; the changes of one turn of the loop are one write. Outside an
         event loop, now."""
         if self._due:
@@ -125,13 +130,13 @@ class NodeBoard:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self.publish(running())
+            self.publish(*state())
             return
         self._due = True
 
         def write() -> None:
             self._due = False
-            self.publish(running())
+            self.publish(*state())
 
         loop.call_soon(write)
 
@@ -166,6 +171,7 @@ class NodeBoard:
         except OSError:
             return view
         seen = set()
+        arriving = 0
         for entry in entries:
             name = entry.name
             if not name.endswith(SUFFIX) or name == self._name:
@@ -182,6 +188,7 @@ class NodeBoard:
             if not self._alive(entry.path, name, cached):
                 continue
             seen.add(name)
+            arriving += cached.arriving
             counts = view.running.setdefault(cached.replica, {})
             for r in cached.running:
                 counts[r.model_id] = counts.get(r.model_id, 0) + 1
@@ -191,7 +198,7 @@ class NodeBoard:
                     view.prefilling.append(r)
         for name in set(self._read) - seen:
             del self._read[name]
-        return view
+        return dataclasses.replace(view, arriving=arriving)
 
     def close(self) -> None:
         """This replica is going away: its requests no longer count anywhere."""
@@ -208,10 +215,10 @@ class NodeBoard:
                 doc = json.load(f)
             rows = [Listed(str(m), float(s), float(e), float(f), float(lo), bool(p))
                     for m, s, e, f, lo, p in doc["running"]]
-            return _File(version, str(doc["replica"]), rows, alive_at)
+            return _File(version, str(doc["replica"]), rows, max(0, int(doc.get("arriving", 0))), alive_at)
         except (OSError, ValueError, TypeError, KeyError):
             # removed since the listing (its writer replaces it whole: never half-written)
-            return _File(version, "", [], alive_at)
+            return _File(version, "", [], 0, alive_at)
 
     def _alive(self, path: str, name: str, f: _File) -> bool:
         """Is the file's writer still running? Checked once per ALIVE_CHECK_S; a dead writer's

@@ -379,9 +379,9 @@ class HostTuningConfig(_Strict):
         "compute in Ray's group can hold a small box's cores for long stretches",
     )
     busy_box_small_from: int = Field(
-        1, ge=0, description="requests running on the box's models from which an auto request whose tier may "
-        "downgrade goes to the small model while it has a free seat and is predicted to finish no later there: "
-        "two CPU engines side by side slow each other's batched steps (admission/model_choice.py); 0: route by "
+        1, ge=0, description="requests running on the box's models, or about to (waiting for their verdicts), "
+        "from which an auto request whose tier may downgrade goes to the small model while it has a free seat "
+        "and is predicted to finish no later there: two CPU engines side by side slow each other's batched steps (admission/model_choice.py); 0: route by "
         "difficulty at any load",
     )
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from admission.gate import Ticket
 from ingress.cache_client import CacheState
 from ingress.model_calls import Call
-from ingress.placement import Admitted
+from ingress.placement import Admitted, Arrival
 from ingress.prompts import PromptBuilder
 
 
@@ -18,6 +18,7 @@ class InFlight:
     """The spine's own: each field set by the step that started it."""
 
     tickets: list[Ticket] = field(default_factory=list)  # admission's candidates, before routing
+    arrival: Arrival | None = None  # counted on the box as about to run, until placed
     cache: CacheState | None = None  # the request's dealings with the cache
     lookup: asyncio.Future | None = None  # the cache lookup
     routing: asyncio.Future | None = None  # the router's verdict
@@ -36,8 +37,14 @@ class InFlight:
         if self.admitted is not None:
             self.admitted.permit.release()
 
+    def placed(self) -> None:
+        """Its model is chosen, or a cache hit needs none: no longer about to run."""
+        if self.arrival is not None:
+            self.arrival.end()
+
     def abandon(self) -> None:
         """An error, a timeout or the client gone (CancelledError): free the slot, stop the model."""
+        self.placed()
         if self.admitted is not None:
             self.admitted.permit.release()
         for pending in (self.lookup, self.routing, self.first_chunk):

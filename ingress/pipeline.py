@@ -217,12 +217,14 @@ class Pipeline:
         f = InFlight()
         try:
             forced, f.tickets = self.placement.shed_hopeless(p)
+            f.arrival = self.placement.arrival(f.tickets)
             rec.clock.stage("admit")
             f.cache = cache = self.cache.state(p, rec.clock)
             rec.cache = cache.result
             if cache.result == "miss":
                 f.lookup = asyncio.ensure_future(self.cache.lookup(p, cache, self.placement.stage_timeout(p)))
             decision, found = await self._lookup_and_route(p, rec, f, forced)
+            f.placed()
             if decision is None:
                 return self._hit(p, rec, found)  # hits take no admission slot: served even at capacity
             admitted = await self._admit_and_call(p, rec, f, decision, found)

@@ -54,6 +54,20 @@ class Permit:
                 load.finished(model_id)
 
 
+class Arrival:
+    """A request counted on the box as about to run (`AdmissionGate.arrive`) from its first
+    checks until it is placed on a model: uncounted exactly once."""
+
+    def __init__(self, gate: AdmissionGate) -> None:
+        self._gate: AdmissionGate | None = gate
+        gate.arrive()
+
+    def end(self) -> None:
+        if self._gate is not None:
+            gate, self._gate = self._gate, None
+            gate.placed()
+
+
 @dataclass(frozen=True)
 class Admitted:
     """Where a request runs, and its slot there: admission's answer."""
@@ -108,6 +122,11 @@ class Placement:
             models = [self.large]  # too big for the small model, and no downgrade: only large counts
         tickets = [self.admission.ticket(m, p.ctx, p.tier, p.prompt_ids, p.sampling.max_tokens) for m in models]
         return self.only_small(p, self.admission.shed_early(tickets)), tickets
+
+    def arrival(self, tickets: list[Ticket]) -> Arrival | None:
+        """Count a request admission priced (`shed_hopeless`) as about to run until it is placed,
+        where the busy-box move is on: a request placed meanwhile runs beside it."""
+        return Arrival(self.gate) if tickets and self.choice.busy_from is not None else None
 
     def only_small(self, p: Prepared, feasible: list[bool]) -> RouteDecision | None:
         """Only the small model of an auto request's two can take it: with downgrade allowed,

@@ -216,3 +216,22 @@ def test_a_request_that_waits_for_room_on_the_box_is_predicted_to_start_when_ano
     blind.estimates["m"].itl.add(2, 300.0)
     blind.set_limits(8, 8, {"a": {"m": 1}})
     assert blind.check(hurried) is None, "with no departure to wait for, it was queued as if starting now"
+
+
+def test_requests_about_to_run_on_another_replica_count_until_placed(tmp_path):
+    """A burst's requests wait for their verdicts side by side, some on each ingress replica:
+    each replica counts its own as about to run, and the board tells the other, until they are
+    placed on a model (or gone)."""
+    now = [1000.0]
+    a, b = _gates(tmp_path, now)
+    a.arrive()
+    a.arrive()
+    b.arrive()
+    assert (a.arriving_on_box(), b.arriving_on_box()) == (3, 3)
+    a.placed()
+    assert (a.arriving_on_box(), b.arriving_on_box()) == (2, 2)
+    a.placed()
+    a.placed()  # never below none
+    b.placed()
+    assert (a.arriving_on_box(), b.arriving_on_box()) == (0, 0)
+    assert b.concurrency() == 0, "about to run is not running: the admission predictions do not count it"

@@ -488,6 +488,60 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
     assert admit(off)[:2] == (large, "classifier_hard")
 
 
+def test_a_quiet_box_with_requests_arriving_beside_is_busy_for_the_busy_box_move(cpu_profile, tokenizer, embedder):
+    """A burst's requests arrive together and wait for their verdicts side by side. The first
+    verdict, a hard one, finds nothing running; the others, moved to the small model by the
+    busy box, would decode beside it, each engine's steps waiting for the other's. Counted as
+    about to run from their first checks until placed, they make the box busy for it: it goes
+    small. Once they are placed, or gone, a lone request is the router's again."""
+    from admission.prefix_memory import PrefixMemory
+    from ingress.context import context_from_headers
+    from ingress.inflight import InFlight
+    from ingress.pipeline import Pipeline
+    from ingress.prompts import PromptBuilder
+    from router.base import RouteDecision
+
+    args = cpu_profile.args.model_copy(deep=True)
+    assert args.host_tuning.small_from == 1
+    builder = PromptBuilder(tokenizer)
+    large, small = args.target.engine.model_id, args.draft.engine.model_id
+    pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
+    for model in (large, small):  # both in time: no deadline move either way
+        pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0, weight=64)
+        pipeline.admission.estimates[model].itl.add(1, 20.0)
+
+    def arrive():
+        """A request through its first checks, as `Pipeline.serve` starts one."""
+        pipeline.admission.prefixes = PrefixMemory()
+        ctx = context_from_headers({})
+        p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+                                               "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
+                                      "predictive")
+        p = pipeline.preparer.tokenize(p)
+        f = InFlight()
+        _, f.tickets = pipeline.placement.shed_hopeless(p)
+        f.arrival = pipeline.placement.arrival(f.tickets)
+        return p, f
+
+    def place(p, f) -> tuple[str, str]:
+        f.placed()
+
+        async def go():
+            admitted = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard"))
+            admitted.permit.release()
+            return admitted.decision.model_id, admitted.decision.reason
+        return asyncio.run(go())
+
+    first, beside = arrive(), arrive()
+    assert pipeline.gate.arriving == 2
+    assert place(*first) == (small, "busy_box_downgrade")  # the other is about to run beside it
+    assert pipeline.gate.arriving == 1
+    beside[1].abandon()  # its client left before its verdict: it counts no more, and only once
+    beside[1].abandon()
+    assert pipeline.gate.arriving == 0
+    assert place(*arrive()) == (large, "classifier_hard")  # alone on a quiet box: the router's choice
+
+
 def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats(cpu_profile, tokenizer, embedder):
     """Standard tier (no first-token target, may queue): the small model's seats are taken and
     the large model is free, so it starts on the large one now instead of waiting for a seat."""
