@@ -533,7 +533,7 @@ def test_a_quiet_box_with_requests_arriving_beside_is_busy_for_the_busy_box_move
         return asyncio.run(go())
 
     first, beside = arrive(), arrive()
-    assert pipeline.gate.arriving == 2
+    assert pipeline.gate.arriving == 2 and pipeline.admission.snapshot()["arriving"] == 2  # /health shows them
     assert place(*first) == (small, "busy_box_downgrade")  # the other is about to run beside it
     assert pipeline.gate.arriving == 1
     beside[1].abandon()  # its client left before its verdict: it counts no more, and only once
