@@ -113,14 +113,14 @@ class ModelChoice:
 
     def _large_finish_beside_small(self, large: Ticket, small: str) -> float:
         """The large model's predicted finish (ms), each of its steps waiting for a step of the
-        streams running on the small model, and of the requests about to run that go there too:
-        the engines take turns for the shared cores (host_tuning/cores.py), and on a busy box the
-        small model's streams last (new requests go there) while the large model's drain. The
-        ITL learned by the box's concurrency holds that wait only in the mix of models it was
-        observed at; a request sent to the large model beside them pays it at every step."""
+        streams running on the small model: the engines take turns for the shared cores
+        (host_tuning/cores.py), and on a busy box the small model's streams last (new requests
+        go there) while the large model's drain. The ITL learned by the box's concurrency holds
+        that wait only in the mix of models it was observed at; a request sent to the large model
+        beside them pays it at every step."""
         gate = self.gate
         predicted = gate.predicted(large).e2e_ms
-        beside = gate.running_on(small) + gate.arriving_on_box()
+        beside = gate.running_on(small)
         if beside == 0:
             return predicted
         rounds = gate.estimates[large.model_id].expected_rounds(large.max_tokens, gate.concurrency() + 1)
