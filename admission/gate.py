@@ -35,6 +35,7 @@ import math
 import time
 from collections import Counter
 
+from admission.arrivals import Arrivals
 from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
 from admission.occupancy import Occupancy
@@ -86,10 +87,7 @@ class AdmissionGate:
         # The other ingress replicas' requests on this node, now (admission/node_board.py);
         # None: this gate sees only its own, and the others' as synced.
         self.board: NodeBoard | None = None
-        # Requests past their first checks and not yet placed on a model (waiting for the
-        # router's verdict or the cache's answer): they run next, beside whatever a request
-        # placed now runs beside.
-        self.arriving = 0
+        self.arrivals = Arrivals(self._publish)  # requests about to be placed on a model
         self.queue = WaitQueue(self.shares)
         self.admitted = 0
         self.rejected: dict[str, int] = {}
@@ -140,21 +138,6 @@ class AdmissionGate:
     def concurrency(self) -> int:
         """Requests running on the box, every model's (see the module docstring)."""
         return len(self.running) + sum(self.others_inflight.values())
-
-    def arrive(self) -> None:
-        """A request past its first checks, about to be placed on a model."""
-        self.arriving += 1
-        self._publish()
-
-    def placed(self) -> None:
-        """A request `arrive` counted is placed on a model, served from the cache, or gone."""
-        self.arriving = max(0, self.arriving - 1)
-        self._publish()
-
-    def arriving_on_box(self) -> int:
-        """Requests about to be placed on a model, here and on the other ingress replicas on the
-        node (those elsewhere are not known until they run)."""
-        return self.arriving + (self.board.view().arriving if self.board is not None else 0)
 
     def seat_free(self, model_id: str) -> bool:
         seats = self.seats.get(model_id)
@@ -219,10 +202,9 @@ class AdmissionGate:
         return prefills_ahead_ms(ahead, now, None if self.shared_cores else model_id)
 
     def _publish(self) -> None:
-        """Tell the other ingress replicas on the node what this one runs, which prompts of it
-        are in prefill, and how many requests it is about to place."""
+        """Tell the node's other ingress replicas what this one runs (prefills marked) and holds."""
         if self.board is not None:
-            self.board.publish_soon(lambda: ([self._listed(t) for t in self.running], self.arriving))
+            self.board.publish_soon(lambda: ([self._listed(t) for t in self.running], self.arrivals.count))
 
     def _listed(self, t: Ticket) -> Listed:
         return Listed(t.model_id, t.started_at, t.first_at, t.finish_at, longest_end(t, self.estimates[t.model_id]), t.prefilled)

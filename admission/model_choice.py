@@ -107,7 +107,7 @@ class ModelChoice:
         # idle box a burst's first verdict would otherwise send a hard request to the large
         # model, and the rest of the burst, moved to the small one, would decode beside it.
         running = gate.concurrency()
-        if running < self.busy_from and running + gate.arriving_on_box() < self.busy_from:
+        if running < self.busy_from and running + gate.arrivals.on_box(gate.board) < self.busy_from:
             return False
         return gate.predicted(small).e2e_ms <= self._large_finish_beside_small(large, small.model_id)
 

@@ -233,7 +233,7 @@ class AdmissionPolicy:
             # the other ingress replicas' prompts in prefill on this node now (node_board.py); null: no board
             "others_prefilling": None if gate.board is None else len(gate.board.others()),
             # requests here past their first checks, waiting to be placed on a model (busy-box move on)
-            "arriving": gate.arriving,
+            "arriving": gate.arrivals.count,
             "seats": dict(gate.seats),
             "admitted": gate.admitted,
             "rejected": dict(gate.rejected),

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from admission.gate import Ticket
 from ingress.cache_client import CacheState
 from ingress.model_calls import Call
-from ingress.placement import Admitted, Arrival
+from admission.arrivals import Arrival
+from ingress.placement import Admitted
 from ingress.prompts import PromptBuilder
 
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from admission.arrivals import Arrival
 from admission.gate import AdmissionGate, Ticket
 from admission.model_choice import MOVES, ModelChoice
 from admission.policy import AdmissionPolicy
@@ -52,20 +53,6 @@ class Permit:
                 self._gate.release(self._ticket)
             for load, model_id in self._loads:
                 load.finished(model_id)
-
-
-class Arrival:
-    """A request counted on the box as about to run (`AdmissionGate.arrive`) from its first
-    checks until it is placed on a model: uncounted exactly once."""
-
-    def __init__(self, gate: AdmissionGate) -> None:
-        self._gate: AdmissionGate | None = gate
-        gate.arrive()
-
-    def end(self) -> None:
-        if self._gate is not None:
-            gate, self._gate = self._gate, None
-            gate.placed()
 
 
 @dataclass(frozen=True)
@@ -126,7 +113,7 @@ class Placement:
     def arrival(self, tickets: list[Ticket]) -> Arrival | None:
         """Count a request admission priced (`shed_hopeless`) as about to run until it is placed,
         where the busy-box move is on: a request placed meanwhile runs beside it."""
-        return Arrival(self.gate) if tickets and self.choice.busy_from is not None else None
+        return self.gate.arrivals.arrive() if tickets and self.choice.busy_from is not None else None
 
     def only_small(self, p: Prepared, feasible: list[bool]) -> RouteDecision | None:
         """Only the small model of an auto request's two can take it: with downgrade allowed,

@@ -224,14 +224,12 @@ def test_requests_about_to_run_on_another_replica_count_until_placed(tmp_path):
     placed on a model (or gone)."""
     now = [1000.0]
     a, b = _gates(tmp_path, now)
-    a.arrive()
-    a.arrive()
-    b.arrive()
-    assert (a.arriving_on_box(), b.arriving_on_box()) == (3, 3)
-    a.placed()
-    assert (a.arriving_on_box(), b.arriving_on_box()) == (2, 2)
-    a.placed()
-    a.placed()  # never below none
-    b.placed()
-    assert (a.arriving_on_box(), b.arriving_on_box()) == (0, 0)
+    first, second, other = a.arrivals.arrive(), a.arrivals.arrive(), b.arrivals.arrive()
+    assert (a.arrivals.on_box(a.board), b.arrivals.on_box(b.board)) == (3, 3)
+    first.end()
+    assert (a.arrivals.on_box(a.board), b.arrivals.on_box(b.board)) == (2, 2)
+    second.end()
+    second.end()  # uncounted once
+    other.end()
+    assert (a.arrivals.on_box(a.board), b.arrivals.on_box(b.board)) == (0, 0)
     assert b.concurrency() == 0, "about to run is not running: the admission predictions do not count it"

@@ -392,6 +392,23 @@ def test_an_auto_request_the_small_model_cant_take_goes_to_the_large_model_rathe
     assert shed.value.kind == "shed"
 
 
+def _pipeline_in_time_on_both(cpu_profile, tokenizer, embedder, small_from: int = 1):
+    """A pipeline of the CPU profile, both models priced in time (no deadline move either way),
+    the busy-box move from `small_from` requests."""
+    from ingress.pipeline import Pipeline
+    from ingress.prompts import PromptBuilder
+
+    args = cpu_profile.args.model_copy(deep=True)
+    args.host_tuning.busy_box_small_from = small_from
+    builder = PromptBuilder(tokenizer)
+    large, small = args.target.engine.model_id, args.draft.engine.model_id
+    pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
+    for model in (large, small):
+        pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0, weight=64)
+        pipeline.admission.estimates[model].itl.add(1, 20.0)
+    return pipeline
+
+
 def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_seat(cpu_profile, tokenizer, embedder):
     """host_tuning: both models share the box's cores, so under load the small model takes what
     its tier lets it take; a named model, a tier without downgrade, a full small model, a quiet
@@ -400,19 +417,10 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
     from ingress.context import context_from_headers
     from ingress.accounting import Record
     from ingress.pipeline import Pipeline
-    from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
 
     def pipeline_with(small_from: int) -> Pipeline:
-        args = cpu_profile.args.model_copy(deep=True)
-        args.host_tuning.busy_box_small_from = small_from
-        builder = PromptBuilder(tokenizer)
-        large, small = args.target.engine.model_id, args.draft.engine.model_id
-        pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
-        for model in (large, small):  # both in time: no deadline move either way
-            pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0, weight=64)
-            pipeline.admission.estimates[model].itl.add(1, 20.0)
-        return pipeline
+        return _pipeline_in_time_on_both(cpu_profile, tokenizer, embedder, small_from)
 
     from admission.prefix_memory import PrefixMemory
 
@@ -497,18 +505,11 @@ def test_a_quiet_box_with_requests_arriving_beside_is_busy_for_the_busy_box_move
     from admission.prefix_memory import PrefixMemory
     from ingress.context import context_from_headers
     from ingress.inflight import InFlight
-    from ingress.pipeline import Pipeline
-    from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
 
-    args = cpu_profile.args.model_copy(deep=True)
-    assert args.host_tuning.small_from == 1
-    builder = PromptBuilder(tokenizer)
-    large, small = args.target.engine.model_id, args.draft.engine.model_id
-    pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
-    for model in (large, small):  # both in time: no deadline move either way
-        pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0, weight=64)
-        pipeline.admission.estimates[model].itl.add(1, 20.0)
+    assert cpu_profile.args.host_tuning.small_from == 1
+    pipeline = _pipeline_in_time_on_both(cpu_profile, tokenizer, embedder)
+    large, small = pipeline.placement.large, pipeline.placement.small
 
     def arrive():
         """A request through its first checks, as `Pipeline.serve` starts one."""
@@ -533,12 +534,12 @@ def test_a_quiet_box_with_requests_arriving_beside_is_busy_for_the_busy_box_move
         return asyncio.run(go())
 
     first, beside = arrive(), arrive()
-    assert pipeline.gate.arriving == 2 and pipeline.admission.snapshot()["arriving"] == 2  # /health shows them
+    assert pipeline.gate.arrivals.count == 2 and pipeline.admission.snapshot()["arriving"] == 2  # /health shows them
     assert place(*first) == (small, "busy_box_downgrade")  # the other is about to run beside it
-    assert pipeline.gate.arriving == 1
+    assert pipeline.gate.arrivals.count == 1
     beside[1].abandon()  # its client left before its verdict: it counts no more, and only once
     beside[1].abandon()
-    assert pipeline.gate.arriving == 0
+    assert pipeline.gate.arrivals.count == 0
     assert place(*arrive()) == (large, "classifier_hard")  # alone on a quiet box: the router's choice
 
 
@@ -548,17 +549,10 @@ def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats
     from admission.gate import Ticket
     from ingress.context import context_from_headers
     from ingress.accounting import Record
-    from ingress.pipeline import Pipeline
-    from ingress.prompts import PromptBuilder
     from router.base import RouteDecision
 
-    args = cpu_profile.args.model_copy(deep=True)
-    builder = PromptBuilder(tokenizer)
-    large, small = args.target.engine.model_id, args.draft.engine.model_id
-    pipeline = Pipeline(args, object(), {large: builder, small: builder, "auto": builder}, embedder)  # type: ignore[arg-type]
-    for model in (large, small):
-        pipeline.admission.estimates[model].prefill_ms_per_token.add(1, 1.0, weight=64)
-        pipeline.admission.estimates[model].itl.add(1, 20.0)
+    pipeline = _pipeline_in_time_on_both(cpu_profile, tokenizer, embedder, cpu_profile.args.host_tuning.busy_box_small_from)
+    large, small = pipeline.placement.large, pipeline.placement.small
     pipeline.gate.seats = {small: 1, large: 4}
     pipeline.gate.running.add(Ticket(small, "standard", 0, 10, 10))  # the small model's one seat
 
