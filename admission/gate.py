@@ -306,14 +306,15 @@ class AdmissionGate:
         wait_ms = (start - now) * 1000
         return Prediction(wait_ms, (now - t.arrived) * 1000 + wait_ms + first_ms, (now - t.arrived) * 1000 + wait_ms + last_ms)
 
-    def predicted(self, t: Ticket) -> Prediction:
+    def predicted(self, t: Ticket, beside: int = 0) -> Prediction:
         """When `t` would start, see its first token and finish if it asked now, behind what
-        the queue's order puts ahead of it."""
+        the queue's order puts ahead of it; `beside`: requests about to start with it, which its
+        steps will be batched or take turns with as surely as with the running ones."""
         now = self._clock()
         ahead = self._queue_ahead(t)
         if not self._can_start(t, ahead, now):
             return self.predict(t, ahead, now)
-        first_ms, last_ms = self._service_ms(t, self.concurrency() + 1)
+        first_ms, last_ms = self._service_ms(t, self.concurrency() + 1 + beside)
         pending_ms = self._prefills_ahead_ms(now, t.model_id)
         waited_ms = (now - t.arrived) * 1000
         return Prediction(0.0, waited_ms + first_ms + pending_ms, waited_ms + last_ms + pending_ms)

@@ -14,7 +14,8 @@ in the order they apply:
                         `busy_from` requests running or about to (arrived with it, waiting for
                         their verdicts), the small model has a free seat and is predicted to
                         finish the request no later than the large one, which would wait for
-                        the small model's running streams' steps
+                        the small model's running streams' steps; both priced at the concurrency
+                        the running and arriving requests make
     deadline_downgrade  the large model would shed it, or miss or cut close its deadlines, and
                         the small one would take it in time (tiers with `downgrade` only)
     deadline_upgrade    the small model can't start it in time and the large one can
@@ -106,24 +107,28 @@ class ModelChoice:
         # Requests that arrived with this one run beside it as surely as those running: on an
         # idle box a burst's first verdict would otherwise send a hard request to the large
         # model, and the rest of the burst, moved to the small one, would decode beside it.
-        running = gate.concurrency()
-        if running < self.busy_from and running + gate.arrivals.on_box(gate.board) < self.busy_from:
+        # Both models are priced at the concurrency the burst makes: alone, the speculating
+        # large model can be the faster one, and a burst kept there one verdict at a time
+        # decodes at the large model's batched speed, or split across both models.
+        arriving = gate.arrivals.on_box(gate.board)
+        if gate.concurrency() + arriving < self.busy_from:
             return False
-        return gate.predicted(small).e2e_ms <= self._large_finish_beside_small(large, small.model_id)
+        small_finish = gate.predicted(small, beside=arriving).e2e_ms
+        return small_finish <= self._large_finish_beside_small(large, small.model_id, arriving)
 
-    def _large_finish_beside_small(self, large: Ticket, small: str) -> float:
+    def _large_finish_beside_small(self, large: Ticket, small: str, arriving: int = 0) -> float:
         """The large model's predicted finish (ms), each of its steps waiting for a step of the
         streams running on the small model: the engines take turns for the shared cores
         (host_tuning/cores.py), and on a busy box the small model's streams last (new requests
         go there) while the large model's drain. The ITL learned by the box's concurrency holds
         that wait only in the mix of models it was observed at; a request sent to the large model
-        beside them pays it at every step."""
+        beside them pays it at every step. `arriving`: requests about to start beside it."""
         gate = self.gate
-        predicted = gate.predicted(large).e2e_ms
+        predicted = gate.predicted(large, beside=arriving).e2e_ms
         beside = gate.running_on(small)
         if beside == 0:
             return predicted
-        rounds = gate.estimates[large.model_id].expected_rounds(large.max_tokens, gate.concurrency() + 1)
+        rounds = gate.estimates[large.model_id].expected_rounds(large.max_tokens, gate.concurrency() + 1 + arriving)
         return predicted + rounds * gate.estimates[small].engine_step_ms(beside)
 
     def _deadline_move(self, routed: Ticket, other: Ticket, *, to_small: bool, downgrade: bool) -> bool:

@@ -543,6 +543,56 @@ def test_a_quiet_box_with_requests_arriving_beside_is_busy_for_the_busy_box_move
     assert place(*arrive()) == (large, "classifier_hard")  # alone on a quiet box: the router's choice
 
 
+def test_a_burst_on_a_quiet_box_is_priced_at_the_concurrency_it_makes(cpu_profile, tokenizer, embedder):
+    """Alone, the speculating large model decodes faster than the small one; batched with a
+    burst's other requests, the small model is faster. The burst's first verdict finds nothing
+    running: priced as if it ran alone, it would stay on the large model (and the next verdicts
+    with it, one at a time). Priced at the concurrency the burst makes, it goes small."""
+    from admission.prefix_memory import PrefixMemory
+    from ingress.context import context_from_headers
+    from ingress.inflight import InFlight
+    from router.base import RouteDecision
+
+    pipeline = _pipeline_in_time_on_both(cpu_profile, tokenizer, embedder)
+    large, small = pipeline.placement.large, pipeline.placement.small
+    from admission.estimates import ByConcurrency
+
+    for model, alone, at_four in ((large, 10.0, 40.0), (small, 20.0, 30.0)):  # ms a token
+        pipeline.admission.estimates[model].itl = itl = ByConcurrency()
+        itl.add(1, alone)
+        itl.add(4, at_four)
+
+    def arrive():
+        pipeline.admission.prefixes = PrefixMemory()
+        ctx = context_from_headers({})
+        p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+                                               "max_tokens": 64, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
+                                      "predictive")
+        p = pipeline.preparer.tokenize(p)
+        f = InFlight()
+        _, f.tickets = pipeline.placement.shed_hopeless(p)
+        f.arrival = pipeline.placement.arrival(f.tickets)
+        return p, f
+
+    def place(p, f) -> str:
+        f.placed()
+
+        async def go():
+            admitted = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard"))
+            admitted.permit.release()
+            return admitted.decision.model_id
+        return asyncio.run(go())
+
+    burst = [arrive() for _ in range(4)]
+    assert place(*burst[0]) == small  # three more about to run beside it: four on the box
+    for p, f in burst[1:]:
+        f.abandon()
+    assert pipeline.gate.arrivals.count == 0
+    lone, beside = arrive(), arrive()
+    assert place(*lone) == large  # one beside it: at two, the large model is still the faster
+    beside[1].abandon()
+
+
 def test_an_auto_request_goes_large_rather_than_queue_for_the_small_models_seats(cpu_profile, tokenizer, embedder):
     """Standard tier (no first-token target, may queue): the small model's seats are taken and
     the large model is free, so it starts on the large one now instead of waiting for a seat."""
