@@ -15,12 +15,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from admission.output_length import OutputLengths
+
 PRIOR_OUTPUT_FRACTION = 0.5  # of max_tokens, until observed
 BATCH_COST = 0.5  # share of a step's cost each extra sequence adds, where not observed
 MAX_AGE_S = 30.0  # a concurrency level not observed for this long starts to fade (see ByConcurrency)
 STALE_HALF_LIFE_S = 90.0  # ... halving its (log) distance from the extrapolation this often
 LIGHT_CONCURRENCY = 2  # prefills started with at most this many in flight price a pass's fixed part
 PREFILL_LEVEL_MIN_TOKENS = 32  # computed prompt tokens a level's prefill cost starts from (ByConcurrency)
+SNAPSHOT_BUDGETS = (16, 64, 256)  # max_tokens the snapshot shows the expected output of
 
 
 def _bucket(concurrency: float) -> int:
@@ -234,7 +237,7 @@ class ModelEstimates:
     prior_prefill_fixed_ms: float = 0.0  # until the line is fitted: the model replica's own measurement
     prefill_ms_per_token: ByConcurrency = field(default_factory=ByConcurrency)
     overhead_ms: Ewma = field(default_factory=lambda: Ewma(0.2))  # time to first token beyond prefill
-    output_fraction: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens made / max_tokens
+    output_lengths: OutputLengths = field(default_factory=OutputLengths)  # how long answers run
     itl: ByConcurrency = field(default_factory=ByConcurrency)
     # Time between a request's chunks: one engine step (a batched decode step, or a speculative
     # round of several tokens). A new request's prefill waits for the step in progress, which
@@ -281,7 +284,7 @@ class ModelEstimates:
             self.prefill_ms_per_token.add(level, (prefill_ms - fixed) / prompt_tokens, weight=prompt_tokens)
             self.overhead_ms.add(max(0.0, ttft_ms - queue_ms - prefill_ms))
         if max_tokens > 0 and not cut_short:
-            self.output_fraction.add(min(1.0, completion_tokens / max_tokens))
+            self.output_lengths.add(completion_tokens, max_tokens)
         if completion_tokens > 1 and decode_ms > 0:
             self.itl.add(concurrency, decode_ms / (completion_tokens - 1))
         if chunks > 0 and decode_ms > 0:
@@ -310,8 +313,9 @@ class ModelEstimates:
 
     def expected_tokens(self, max_tokens: int) -> float:
         # Until a few completions are observed, assume half the budget is used.
-        fraction = self.output_fraction.value if self.output_fraction.samples >= 3 else PRIOR_OUTPUT_FRACTION
-        return max(1.0, fraction * max_tokens)
+        if self.output_lengths.samples < 3:
+            return max(1.0, PRIOR_OUTPUT_FRACTION * max_tokens)
+        return max(1.0, self.output_lengths.expected(max_tokens))
 
     def itl_ms(self, concurrency: float) -> float:
         """Decode ms/token with this many sequences in flight (on the box)."""
@@ -348,10 +352,10 @@ class ModelEstimates:
             "prefill_fixed_ms": _round(self.prefill_fixed_ms()),
             "prefill_ms_per_token_by_concurrency": self.prefill_ms_per_token.snapshot(),
             "overhead_ms": _round(self.overhead_ms.value),
-            "output_fraction": _round(self.output_fraction.value),
+            "expected_output_tokens": {m: _round(self.expected_tokens(m)) for m in SNAPSHOT_BUDGETS},
             "itl_ms_by_concurrency": self.itl.snapshot(),
             "itl_seeded_ms_by_concurrency": {b: _round(v) for b, v in self.itl.shape},
-            "completions": self.output_fraction.samples,
+            "completions": self.output_lengths.samples,
         }
 
 

@@ -38,7 +38,28 @@ def test_estimates_interpolate_measured_levels_and_extrapolate_pessimistically()
     assert est.itl_ms(2) == pytest.approx(20 + 20 / 3)  # between measured levels
     assert est.itl_ms(8) == pytest.approx(60.0)  # above: half a step per extra sequence
     assert est.prefill_ms(100) == pytest.approx(40.0 + 15.0)  # per-token prefill + measured overhead
-    assert est.expected_tokens(100) == pytest.approx(55.0)  # 11 of 20 used: the measured fraction
+    assert est.expected_tokens(100) == pytest.approx(11.0)  # every answer ended at 11: a larger budget runs no longer
+    assert est.expected_tokens(8) == pytest.approx(8.0)  # ... and a smaller one is used up
+
+
+def test_a_long_budget_is_priced_by_how_long_answers_run_not_by_the_share_short_budgets_use():
+    """Short budgets are used up, long ones are not: answers end on their own. Answers of 12, 40
+    and 200 tokens, asked with budgets of 16, 32, 64 and 128: a 128-token request makes 60 on
+    average (12, 40, 128), while the share of the budget used, 0.70 over the mix, priced it at
+    89. The answers' lengths price it at 60; an answer that used its whole budget counts as one
+    at least that long."""
+    est = ServiceEstimates(50.0, 0.5)["m"]
+    for length in (12, 40, 200):
+        for budget in (16, 32, 64, 128):
+            made = min(length, budget)
+            est.observe(prompt_tokens=100, prefill_ms=40.0, ttft_ms=50.0, queue_ms=1.0, completion_tokens=made,
+                        max_tokens=budget, decode_ms=10.0 * made, concurrency=1)
+    assert est.expected_tokens(128) == pytest.approx(60.0)
+    assert est.expected_tokens(16) == pytest.approx((12 + 16 + 16) / 3)
+    assert est.expected_tokens(12) == pytest.approx(12.0)  # every answer runs at least 12
+    # Past the longest budget seen, the answers still running are priced to the budget.
+    assert est.expected_tokens(256) == pytest.approx((12 + 40 + 256) / 3)
+    assert est.snapshot()["expected_output_tokens"][16] == pytest.approx(est.expected_tokens(16), abs=0.001)
 
 
 def test_a_levels_cost_is_placed_at_the_concurrency_its_samples_ran_at():
@@ -1283,11 +1304,11 @@ def test_an_answer_cut_short_teaches_its_steps_not_its_length():
     for _ in range(3):
         est.observe(prompt_tokens=30, prefill_ms=40.0, ttft_ms=50.0, queue_ms=1.0, completion_tokens=100,
                     max_tokens=100, decode_ms=990.0, concurrency=1)
-    assert est.output_fraction.value == pytest.approx(1.0) and est.itl_ms(1) == pytest.approx(10.0)
+    assert est.expected_tokens(512) == pytest.approx(512.0) and est.itl_ms(1) == pytest.approx(10.0)
     est.observe(prompt_tokens=30, prefill_ms=40.0, ttft_ms=50.0, queue_ms=1.0, completion_tokens=41,
                 max_tokens=512, decode_ms=3200.0, concurrency=8, cut_short=True)
     assert est.itl_ms(8) == pytest.approx(80.0), "its steps at level 8 are filed"
-    assert est.output_fraction.value == pytest.approx(1.0), "41 of 512 tokens says nothing of its length"
+    assert est.expected_tokens(512) == pytest.approx(512.0), "41 of 512 tokens says nothing of its length"
 
 
 def test_a_queued_first_token_needs_the_tail_to_spare_not_the_deadline_headroom():
@@ -1367,9 +1388,9 @@ def test_each_ingress_replica_learns_the_models_speeds_from_every_replicas_compl
         await sync_a.sync_once()
         await sync_b.sync_once()
         assert b.estimates["m"].itl_ms(2) == pytest.approx(90.0)  # filed where a filed them
-        assert b.estimates["m"].output_fraction.samples == 3
+        assert b.estimates["m"].output_lengths.samples == 3
         await sync_b.sync_once()
         await sync_a.sync_once()  # nothing new either way: nothing learned twice
-        assert b.estimates["m"].output_fraction.samples == 3 and a.estimates["m"].output_fraction.samples == 4
+        assert b.estimates["m"].output_lengths.samples == 3 and a.estimates["m"].output_lengths.samples == 4
 
     asyncio.run(main())
