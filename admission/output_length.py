@@ -2,8 +2,8 @@
 
 A share of `max_tokens` learned across requests prices every budget alike, but short budgets
 are used up and long ones are not: an answer ends on its own. Learned over a mix of budgets, the
-share came out near one, and a long budget was priced as if it would be used nearly whole, so
-requests that had time to finish were shed for a finish they would not have had.
+share comes out near one and prices a long budget as if it would be used nearly whole, which
+sheds requests that have time to finish for a finish they would not have.
 
 So the answers' lengths are learned instead, one sample per completion: an answer that ended on
 its own is its length; one that reached its budget says only that the answer runs at least that
