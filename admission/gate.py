@@ -307,9 +307,8 @@ class AdmissionGate:
         return Prediction(wait_ms, (now - t.arrived) * 1000 + wait_ms + first_ms, (now - t.arrived) * 1000 + wait_ms + last_ms)
 
     def predicted(self, t: Ticket, beside: int = 0) -> Prediction:
-        """When `t` would start, see its first token and finish if it asked now, behind what
-        the queue's order puts ahead of it; `beside`: requests about to start with it, which its
-        steps will be batched or take turns with as surely as with the running ones."""
+        """When `t` would start, see its first token and finish if it asked now, behind what the
+        queue's order puts ahead of it, with `beside` requests about to start along with it."""
         now = self._clock()
         ahead = self._queue_ahead(t)
         if not self._can_start(t, ahead, now):

@@ -496,51 +496,55 @@ def test_on_a_busy_box_an_auto_request_goes_to_the_small_model_while_it_has_a_se
     assert admit(off)[:2] == (large, "classifier_hard")
 
 
+def _arrive(pipeline, max_tokens: int = 16):
+    """A request through its first checks, as `Pipeline.serve` starts one: (prepared, in flight)."""
+    from admission.prefix_memory import PrefixMemory
+    from ingress.context import context_from_headers
+    from ingress.inflight import InFlight
+
+    pipeline.admission.prefixes = PrefixMemory()
+    ctx = context_from_headers({})
+    p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+                                           "max_tokens": max_tokens, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
+                                  "predictive")
+    p = pipeline.preparer.tokenize(p)
+    f = InFlight()
+    _, f.tickets = pipeline.placement.shed_hopeless(p)
+    f.arrival = pipeline.placement.arrival(f.tickets)
+    return p, f
+
+
+def _place(pipeline, p, f) -> tuple[str, str]:
+    """Place an arrived request the router judged hard: (its model, why)."""
+    from router.base import RouteDecision
+
+    f.placed()
+
+    async def go():
+        admitted = await pipeline.placement.admit(p, RouteDecision(pipeline.placement.large, "classifier_hard"))
+        admitted.permit.release()
+        return admitted.decision.model_id, admitted.decision.reason
+    return asyncio.run(go())
+
+
 def test_a_quiet_box_with_requests_arriving_beside_is_busy_for_the_busy_box_move(cpu_profile, tokenizer, embedder):
     """A burst's requests arrive together and wait for their verdicts side by side. The first
     verdict, a hard one, finds nothing running; the others, moved to the small model by the
     busy box, would decode beside it, each engine's steps waiting for the other's. Counted as
     about to run from their first checks until placed, they make the box busy for it: it goes
     small. Once they are placed, or gone, a lone request is the router's again."""
-    from admission.prefix_memory import PrefixMemory
-    from ingress.context import context_from_headers
-    from ingress.inflight import InFlight
-    from router.base import RouteDecision
-
     assert cpu_profile.args.host_tuning.small_from == 1
     pipeline = _pipeline_in_time_on_both(cpu_profile, tokenizer, embedder)
     large, small = pipeline.placement.large, pipeline.placement.small
 
-    def arrive():
-        """A request through its first checks, as `Pipeline.serve` starts one."""
-        pipeline.admission.prefixes = PrefixMemory()
-        ctx = context_from_headers({})
-        p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "Why is the sky blue?"}],
-                                               "max_tokens": 16, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
-                                      "predictive")
-        p = pipeline.preparer.tokenize(p)
-        f = InFlight()
-        _, f.tickets = pipeline.placement.shed_hopeless(p)
-        f.arrival = pipeline.placement.arrival(f.tickets)
-        return p, f
-
-    def place(p, f) -> tuple[str, str]:
-        f.placed()
-
-        async def go():
-            admitted = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard"))
-            admitted.permit.release()
-            return admitted.decision.model_id, admitted.decision.reason
-        return asyncio.run(go())
-
-    first, beside = arrive(), arrive()
+    first, beside = _arrive(pipeline), _arrive(pipeline)
     assert pipeline.gate.arrivals.count == 2 and pipeline.admission.snapshot()["arriving"] == 2  # /health shows them
-    assert place(*first) == (small, "busy_box_downgrade")  # the other is about to run beside it
+    assert _place(pipeline, *first) == (small, "busy_box_downgrade")  # the other is about to run beside it
     assert pipeline.gate.arrivals.count == 1
     beside[1].abandon()  # its client left before its verdict: it counts no more, and only once
     beside[1].abandon()
     assert pipeline.gate.arrivals.count == 0
-    assert place(*arrive()) == (large, "classifier_hard")  # alone on a quiet box: the router's choice
+    assert _place(pipeline, *_arrive(pipeline)) == (large, "classifier_hard")  # alone on a quiet box: the router's choice
 
 
 def test_a_burst_on_a_quiet_box_is_priced_at_the_concurrency_it_makes(cpu_profile, tokenizer, embedder):
@@ -548,48 +552,22 @@ def test_a_burst_on_a_quiet_box_is_priced_at_the_concurrency_it_makes(cpu_profil
     burst's other requests, the small model is faster. The burst's first verdict finds nothing
     running: priced as if it ran alone, it would stay on the large model (and the next verdicts
     with it, one at a time). Priced at the concurrency the burst makes, it goes small."""
-    from admission.prefix_memory import PrefixMemory
-    from ingress.context import context_from_headers
-    from ingress.inflight import InFlight
-    from router.base import RouteDecision
+    from admission.estimates import ByConcurrency
 
     pipeline = _pipeline_in_time_on_both(cpu_profile, tokenizer, embedder)
     large, small = pipeline.placement.large, pipeline.placement.small
-    from admission.estimates import ByConcurrency
-
     for model, alone, at_four in ((large, 10.0, 40.0), (small, 20.0, 30.0)):  # ms a token
         pipeline.admission.estimates[model].itl = itl = ByConcurrency()
         itl.add(1, alone)
         itl.add(4, at_four)
 
-    def arrive():
-        pipeline.admission.prefixes = PrefixMemory()
-        ctx = context_from_headers({})
-        p = pipeline.preparer.prepare("chat", {"model": "auto", "messages": [{"role": "user", "content": "Why is the sky blue?"}],
-                                               "max_tokens": 64, "temperature": 0}, ctx, pipeline.admission.tier(ctx),
-                                      "predictive")
-        p = pipeline.preparer.tokenize(p)
-        f = InFlight()
-        _, f.tickets = pipeline.placement.shed_hopeless(p)
-        f.arrival = pipeline.placement.arrival(f.tickets)
-        return p, f
-
-    def place(p, f) -> str:
-        f.placed()
-
-        async def go():
-            admitted = await pipeline.placement.admit(p, RouteDecision(large, "classifier_hard"))
-            admitted.permit.release()
-            return admitted.decision.model_id
-        return asyncio.run(go())
-
-    burst = [arrive() for _ in range(4)]
-    assert place(*burst[0]) == small  # three more about to run beside it: four on the box
+    burst = [_arrive(pipeline, max_tokens=64) for _ in range(4)]
+    assert _place(pipeline, *burst[0])[0] == small  # three more about to run beside it: four on the box
     for p, f in burst[1:]:
         f.abandon()
     assert pipeline.gate.arrivals.count == 0
-    lone, beside = arrive(), arrive()
-    assert place(*lone) == large  # one beside it: at two, the large model is still the faster
+    lone, beside = _arrive(pipeline, max_tokens=64), _arrive(pipeline, max_tokens=64)
+    assert _place(pipeline, *lone)[0] == large  # one beside it: at two, the large model is still the faster
     beside[1].abandon()
 
 
