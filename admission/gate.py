@@ -428,15 +428,15 @@ class AdmissionGate:
         except asyncio.TimeoutError:
             if waiter.done() and not waiter.cancelled():
                 return  # started in the same instant the timeout fired: keep the slot
+            held = self._not_now(t, [q for q in self._queue_ahead(t) if q is not t], self._clock())  # what held it
             waiter.cancel()
             reason, message = (
                 ("queue_timeout", "no slot freed within this tier's queue-wait limit") if capped
                 else ("deadline_in_queue", "the request's first-token target could no longer be met while it waited"
                       if by_first < by_deadline else "the request's deadline could no longer be met while it waited")
             )
-            raise self.count(self.reject(
-                reason, message, t, len(ahead), waited_ms=(self._clock() - now) * 1000,
-            )) from None
+            waited_ms = (self._clock() - now) * 1000
+            raise self.count(self.reject(reason, message, t, len(ahead), waited_ms=waited_ms, not_now=held)) from None
         except asyncio.CancelledError:  # the client went away while queued
             if waiter.done() and not waiter.cancelled():
                 self.release(t)

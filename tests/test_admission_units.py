@@ -315,6 +315,7 @@ def test_the_shipped_interactive_tier_waits_for_a_slot_while_its_first_token_can
             await asyncio.wait_for(gate.acquire(interactive(tier.max_queue_ms)), 2)
         assert dropped.value.reason == "deadline_in_queue" and "first-token target" in dropped.value.message
         assert 800 < dropped.value.waited_ms < 1100, "left when its first token could no longer come in time"
+        assert dropped.value.not_now == "slots_full", "the 503 says what held it in the queue"
 
     asyncio.run(main())
 
