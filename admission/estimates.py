@@ -149,12 +149,16 @@ class ByConcurrency:
         return sorted((self._at(b), v) for b, v in self._levels().items())
 
     def at(self, concurrency: float, prior: float) -> float:
+        return self.at_each([concurrency], prior)[0]
+
+    def at_each(self, concurrencies: list[float], prior: float) -> list[float]:
+        """`at` for each of several concurrencies, the levels read once."""
         known = self._known()
         if not known:
             if self.shape:
-                return _interpolate(self.shape, concurrency)
-            return prior * (1 + BATCH_COST * (max(1.0, concurrency) - 1))
-        return _interpolate(known, concurrency, self.shape)
+                return [_interpolate(self.shape, c) for c in concurrencies]
+            return [prior * (1 + BATCH_COST * (max(1.0, c) - 1)) for c in concurrencies]
+        return [_interpolate(known, c, self.shape) for c in concurrencies]
 
     def snapshot(self) -> dict[int, float | None]:
         """Every level's value as `at` uses it (a stale one faded)."""
@@ -320,6 +324,10 @@ class ModelEstimates:
     def itl_ms(self, concurrency: float) -> float:
         """Decode ms/token with this many sequences in flight (on the box)."""
         return self.itl.at(concurrency, self.prior_itl_ms)
+
+    def itl_ms_each(self, concurrencies: list[float]) -> list[float]:
+        """`itl_ms` at each of several concurrencies."""
+        return self.itl.at_each(concurrencies, self.prior_itl_ms)
 
     def step_ms(self, concurrency: float) -> float:
         """One engine step with this many sequences in flight (until observed: one ITL)."""

@@ -40,6 +40,7 @@ from admission.estimates import ServiceEstimates
 from admission.fair_share import TenantShares
 from admission.occupancy import Occupancy
 from admission.node_board import Listed, NodeBoard, View
+from admission.pacing import departures_needed, paced, targets
 from admission.running import expected_end, finish_estimate, longest_end, prefills_ahead_ms
 from admission.ticket import Prediction, Rejection, Ticket
 from admission.ttft_calibration import TtftCalibration
@@ -249,20 +250,18 @@ class AdmissionGate:
         return None
 
     def _paced(self, t: Ticket, concurrency: float) -> bool:
-        """With `concurrency` sequences on the box, is the predicted time between tokens within
-        the per-token target of `t` and of every running request that has one? Past the box's
-        knee another sequence adds no tokens a second, only time to every stream's tokens: it
-        waits for one to end instead. No `safety` here: it pads a deadline, and on the target
-        it held streams the box ran within it until their first tokens were late."""
-        itl: dict[str, float] = {}  # per model: one lookup, however many requests run on it
-        for r in (t, *self.running):
-            if r.tpot_ms is None:
-                continue
-            if r.model_id not in itl:
-                itl[r.model_id] = self.estimates[r.model_id].itl_ms(concurrency)
-            if itl[r.model_id] > r.tpot_ms:
-                return False
-        return True
+        """Would `concurrency` sequences on the box keep `t` and every running request within
+        their per-token targets (admission/pacing.py)?"""
+        return paced(targets((t, *self.running)), self.estimates, concurrency)
+
+    def _over_pace(self, t: Ticket) -> int:
+        """How many running requests must leave before `t` may start under the per-token targets:
+        0 where one more stream keeps them. Predicted as one departure, a queued request the
+        target holds for several was dropped at its latest useful start, after most of a
+        second, where a shed at arrival takes microseconds."""
+        if self.shares.first_of(t, self.running):
+            return 0
+        return departures_needed(targets((t, *self.running)), self.estimates, self.concurrency() + 1)
 
     def _idle_takes(self, t: Ticket, now: float) -> bool:
         """An idle box takes any request: nothing else is slowed, and turning it away helps
@@ -285,20 +284,23 @@ class AdmissionGate:
 
     def predict(self, t: Ticket, ahead: list[Ticket], now: float) -> Prediction:
         """When `t` would start and finish if it waited behind `ahead`: each departure of a
-        running request lets the next one in, at today's concurrency. While this replica has
-        slots free, what it waits for is room on the box, so the other replicas' departures on
-        this node count too."""
+        running request lets the next one in, at today's concurrency, once as many have left
+        as the per-token targets need (`_over_pace`). While this replica has slots free, what
+        it waits for is room on the box, so the other replicas' departures on this node count
+        too."""
         c = max(1, self.concurrency())
         ends = [self._finish_estimate(r, now) for r in self.running]
         if self.board is not None and self.inflight < self.max_inflight:
             ends += [expected_end(r.finish_at, r.longest, now) for r in self.board.view().requests]
-        slots = sorted(ends) or [now]
+        over = self._over_pace(t)
+        slots = sorted(ends)[max(0, over - 1):] or [max(ends, default=now)]
         slots = slots[: max(1, min(len(slots), self.max_inflight))]
         heapq.heapify(slots)
         for q in ahead:
             free = heapq.heappop(slots)
             heapq.heappush(slots, free + self._service_ms(q, c)[1] / 1000)
-        start = slots[0] if (ahead or self.inflight >= self.max_inflight or not self.model_idle(t.model_id)) else now
+        busy = ahead or over or self.inflight >= self.max_inflight or not self.model_idle(t.model_id)
+        start = slots[0] if busy else now
         start = max(start, self._seat_free_at(t, now))
         first_ms, last_ms = self._service_ms(t, c)
         pending_ms = self._prefills_ahead_ms(start, t.model_id)

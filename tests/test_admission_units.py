@@ -575,6 +575,28 @@ def test_a_per_token_target_queues_a_request_past_the_boxs_knee_and_starts_it_wh
     assert free.in_time(Ticket("m", "t", 0, 10, 20, deadline=time.monotonic() + 60))
 
 
+def test_a_request_the_per_token_target_holds_for_two_departures_is_shed_at_arrival_not_dropped_late():
+    """Past the knee by two streams, one departure lets nothing in: a request whose first token
+    is due before the second departure is shed in microseconds, where predicted to start at the
+    first it queued and was dropped at its latest useful start."""
+    gate = AdmissionGate(16, 8, 1, ServiceEstimates(40.0, 0.1), safety=1.0)
+    for c, itl in ((1, 40.0), (4, 100.0), (8, 160.0)):  # 115 ms a token at 5 on the box, 130 at 6
+        for _ in range(3):
+            _done(gate.estimates["m"], c, itl)
+    now = time.monotonic()
+    for finish_s in (0.3, 2.0, 3.0, 4.0, 5.0):  # five running, one of them about to end
+        r = Ticket("m", "t", 0, 10, 20, deadline=now + 60, tpot_ms=110)
+        r.started_at, r.first_at, r.finish_at, r.prefilled, r.concurrency_at_start = now, now, now + finish_s, True, 5
+        gate.running.add(r)
+    urgent = Ticket("m", "t", 0, 10, 20, deadline=now + 15, ttft_deadline=now + 1.0, tpot_ms=110)
+    rejection = gate.check(urgent)
+    assert rejection is not None and rejection.reason == "deadline_unmeetable", "two must leave: the second at 2 s"
+    assert rejection.not_now == "per_token_target" and rejection.predicted.wait_ms > 1500
+    patient = Ticket("m", "t", 0, 10, 20, deadline=now + 15, ttft_deadline=now + 3.0, tpot_ms=110)
+    assert gate.check(patient) is None, "its first token can wait for the second departure: it queues"
+    assert gate._over_pace(patient) == 2
+
+
 def test_the_per_token_target_is_judged_on_the_predicted_itl_not_the_decode_safety():
     """`safety` pads the decode for deadlines; on the per-token target it moved the knee early:
     streams FIFO ran at 159-176 ms a token were held for a 200 ms target and dropped unserved."""
