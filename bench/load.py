@@ -329,6 +329,7 @@ def _point(sent: list[Outcome], duration_s: float, warm_in_s: float, load_factor
         "dropped_in_queue": sum(o.code in QUEUE_DROPS for o in shed),
         "shed_codes": _count(o.code for o in shed),
         "shed_not_started": _count(o.shed_not_started or "-" for o in shed),
+        "dropped_held_by": _count(o.shed_not_started or "-" for o in shed if o.code in QUEUE_DROPS),
         # Which prompts were turned away, against all sent, and what the gate predicted for them:
         # a lead when admission sheds what FIFO would have served in time.
         "sent_by_prompt": _count(o.prompt for o in outcomes),
