@@ -256,9 +256,9 @@ class AdmissionGate:
 
     def _over_pace(self, t: Ticket) -> int:
         """How many running requests must leave before `t` may start under the per-token targets:
-        0 where one more stream keeps them. Predicted as one departure, a queued request the
-        target holds for several was dropped at its latest useful start, after most of a
-        second, where a shed at arrival takes microseconds."""
+        0 where one more stream keeps them. Priced as one departure, a request the target holds
+        for several would queue and be dropped at its latest useful start, most of a second
+        later, where a shed at arrival takes microseconds."""
         if self.shares.first_of(t, self.running):
             return 0
         return departures_needed(targets((t, *self.running)), self.estimates, self.concurrency() + 1)
