@@ -192,8 +192,10 @@ class AdmissionGate:
     def _first_in_time(self, t: Ticket, now: float, first_ms: float, headroom: float = 1.0) -> bool:
         """Would its first token, `first_ms` from now, make its TTFT deadline with `headroom`
         (a factor), or the recent tail of lateness (ms) if that is more, to spare?"""
-        needed_ms = max(first_ms * headroom, first_ms + self.ttft_tail_ms())
-        return t.ttft_deadline is None or now + needed_ms / 1000 <= t.ttft_deadline
+        return t.ttft_deadline is None or now + self._first_needed_ms(first_ms, headroom) / 1000 <= t.ttft_deadline
+
+    def _first_needed_ms(self, first_ms: float, headroom: float = 1.0) -> float:
+        return max(first_ms * headroom, first_ms + self.ttft_tail_ms())
 
     def _prefills_ahead_ms(self, now: float, model_id: str) -> float:
         """The wait for the prompts still in prefill ahead of a new one on `model_id` (on any
@@ -417,9 +419,12 @@ class AdmissionGate:
         waiter = self.queue.push(t)
         if self.board is not None:  # another replica's prefill or request ending is no event here
             self.board.watch(lambda: self.queued > 0, self._wake)
-        # The latest start that can still meet its deadlines: past it, it is dropped unserved.
+        # The latest start that can still meet its deadlines, its first token with the tail to
+        # spare that a start needs (`_first_in_time`): past it, it is dropped unserved. Without
+        # the tail it waited on for as long again where nothing would start it.
         first_ms, last_ms = self._service_ms(t, max(1, self.concurrency()))
-        by_deadline, by_first = (t.deadline or INF) - last_ms / 1000, (t.ttft_deadline or INF) - first_ms / 1000
+        by_deadline = (t.deadline or INF) - last_ms / 1000
+        by_first = (t.ttft_deadline or INF) - self._first_needed_ms(first_ms) / 1000
         latest = min(by_deadline, by_first)
         timeout = None if latest == INF else max(0.0, latest - now)
         capped = t.max_wait is not None and (timeout is None or t.max_wait < timeout)

@@ -320,6 +320,25 @@ def test_the_shipped_interactive_tier_waits_for_a_slot_while_its_first_token_can
     asyncio.run(main())
 
 
+def test_a_queued_request_leaves_when_no_start_could_spare_its_first_token_the_tail():
+    """A start needs its first token predicted in time with the recent tail of lateness to
+    spare: a queued request is dropped when that can no longer be, not only when its first
+    token could no longer come in time at all (it waited on where nothing would start it)."""
+    async def main():
+        gate = _gate(itl_ms=5, max_inflight=1)
+        now = time.monotonic()
+        gate.calibration.ttft_late.extend((now, 400.0) for _ in range(20))  # first tokens lately ~400 ms late
+        assert gate.ttft_tail_ms() == pytest.approx(400.0)
+        await gate.acquire(_ticket(200, deadline_s=None))  # the slot, predicted free in ~500 ms, never frees
+        t = Ticket("m", "t", 0, 10, 20, deadline=now + 15, ttft_deadline=now + 1.0)
+        with pytest.raises(Rejection) as dropped:
+            await asyncio.wait_for(gate.acquire(t), 2)
+        assert dropped.value.reason == "deadline_in_queue"
+        assert 450 < dropped.value.waited_ms < 700, "left when a start could no longer spare the tail"
+
+    asyncio.run(main())
+
+
 def test_a_tier_queue_wait_limit_sheds_at_arrival_or_leaves_the_queue_when_it_passes():
     """max_queue_ms: queued only for a slot predicted within it, shed when it passes, where
     without the limit the same request would wait on for its (unbounded) deadline."""
