@@ -257,10 +257,8 @@ class AdmissionGate:
         return paced(targets((t, *self.running)), self.estimates, concurrency)
 
     def _over_pace(self, t: Ticket) -> int:
-        """How many running requests must leave before `t` may start under the per-token targets:
-        0 where one more stream keeps them. Priced as one departure, a request the target holds
-        for several would queue and be dropped at its latest useful start, most of a second
-        later, where a shed at arrival takes microseconds."""
+        """How many running requests must leave before `t` may start under the per-token targets
+        (0: one more stream keeps them); priced as one, a request held for several queues in vain."""
         if self.shares.first_of(t, self.running):
             return 0
         return departures_needed(targets((t, *self.running)), self.estimates, self.concurrency() + 1)
@@ -286,10 +284,9 @@ class AdmissionGate:
 
     def predict(self, t: Ticket, ahead: list[Ticket], now: float) -> Prediction:
         """When `t` would start and finish if it waited behind `ahead`: each departure of a
-        running request lets the next one in, at today's concurrency, once as many have left
-        as the per-token targets need (`_over_pace`). While this replica has slots free, what
-        it waits for is room on the box, so the other replicas' departures on this node count
-        too."""
+        running request lets the next one in, at today's concurrency, once as many have left as
+        the per-token targets need (`_over_pace`). While this replica has slots free, it waits
+        for room on the box, so the other replicas' departures on this node count too."""
         c = max(1, self.concurrency())
         ends = [self._finish_estimate(r, now) for r in self.running]
         if self.board is not None and self.inflight < self.max_inflight:
@@ -419,9 +416,8 @@ class AdmissionGate:
         waiter = self.queue.push(t)
         if self.board is not None:  # another replica's prefill or request ending is no event here
             self.board.watch(lambda: self.queued > 0, self._wake)
-        # The latest start that can still meet its deadlines, its first token with the tail to
-        # spare that a start needs (`_first_in_time`): past it, it is dropped unserved. Without
-        # the tail it waited on for as long again where nothing would start it.
+        # The latest start that can still meet its deadlines, its first token with the tail a
+        # start needs to spare (`_first_in_time`): past it, nothing would start it; it is dropped.
         first_ms, last_ms = self._service_ms(t, max(1, self.concurrency()))
         by_deadline = (t.deadline or INF) - last_ms / 1000
         by_first = (t.ttft_deadline or INF) - self._first_needed_ms(first_ms) / 1000
@@ -451,7 +447,7 @@ class AdmissionGate:
                 waiter.cancel()
             raise
         finally:
-            self._prune()
+            self.queue.prune()
             self._wake()  # a dropped head may have held up requests that can start
 
     def release(self, t: Ticket) -> None:
@@ -494,9 +490,6 @@ class AdmissionGate:
             self.queue.remove(t)
             self._start(t, now)  # the slot is handed over, not re-raced
             waiter.set_result(None)
-
-    def _prune(self) -> None:
-        self.queue.prune()
 
     def reject(self, reason: str, message: str, t: Ticket, ahead: int, predicted: Prediction | None = None,
                waited_ms: float = 0.0, tenant_limit: bool = False, not_now: str | None = None) -> Rejection:
